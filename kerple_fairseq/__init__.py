@@ -1,0 +1,30 @@
+"""kerple_fairseq: a fairseq ``--user-dir`` plugin of positional attention-bias kernels.
+
+Importing the package registers the ``transformer_lm_kerple`` model and its
+architectures (``transformer_lm_kerple``, ``transformer_lm_kerple_wiki103``,
+``transformer_lm_alibi``, ``transformer_lm_alibi_wiki103``) and every kernel in
+:mod:`kerple_fairseq.kernels`.
+"""
+
+import os
+
+from kerple_fairseq.errors import KernelConfigError, install_excepthook
+from kerple_fairseq import kernels, models  # noqa: F401  (registration)
+
+
+def _register_fairseq_user_dir_alias() -> None:
+    # fairseq's import_user_module resolves `--user-dir kerple_fairseq` outside the repo to
+    # <site-packages>/fairseq/../kerple_fairseq and refuses it as "not globally unique" unless
+    # that spelling is in __path__. Record the spellings that name this very directory.
+    import fairseq
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    alias = os.path.join(os.path.dirname(fairseq.__file__), "..", os.path.basename(here))
+    if os.path.exists(alias) and os.path.samefile(alias, here) and alias not in __path__:
+        __path__.append(alias)
+
+
+_register_fairseq_user_dir_alias()
+install_excepthook()
+
+__all__ = ["KernelConfigError"]

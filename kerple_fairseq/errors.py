@@ -1,0 +1,29 @@
+"""The plugin's user-facing error, reported as one line on the command line."""
+
+import sys
+
+
+class KernelConfigError(ValueError):
+    """A bad kernel name, option value or model configuration.
+
+    The message says what is wrong and what to do. Uncaught, it is printed as a
+    single ``kerple_fairseq: error: ...`` line (exit status 1) instead of a
+    traceback (see :func:`install_excepthook`).
+    """
+
+
+def _one_line_excepthook(previous):
+    def hook(exc_type, exc, tb):
+        if issubclass(exc_type, KernelConfigError):
+            print(f"kerple_fairseq: error: {exc}", file=sys.stderr)
+        else:
+            previous(exc_type, exc, tb)
+
+    hook.kerple_fairseq = True
+    return hook
+
+
+def install_excepthook() -> None:
+    """Print uncaught :class:`KernelConfigError` as one line; other errors are untouched."""
+    if not getattr(sys.excepthook, "kerple_fairseq", False):
+        sys.excepthook = _one_line_excepthook(sys.excepthook)

@@ -1,0 +1,45 @@
+"""The interface every positional attention-bias kernel implements."""
+
+from typing import ClassVar, Optional
+
+import torch
+from torch import Tensor, nn
+
+from kerple_fairseq.errors import KernelConfigError
+
+
+class BiasKernel(nn.Module):
+    """A per-head function of the causal distance ``d = i - j >= 0``.
+
+    ``forward(distance)`` takes a float32 vector of distances and returns a
+    float32 ``[num_heads, len(distance)]`` tensor ``B_h(d)``, the bias added to
+    the scaled attention logits. The kernel knows nothing about masks, batches
+    or layers: :class:`kerple_fairseq.models.attention_bias.AttentionBias`
+    turns it into the ``[heads, queries, keys]`` causal bias shared by all layers.
+
+    A subclass sets ``options`` to a dataclass of its command-line options
+    (fields become ``--dashed-flags`` of the model) and validates them in
+    ``__init__``, raising :class:`KernelConfigError` for values out of range.
+    """
+
+    name: ClassVar[str] = ""
+    options: ClassVar[Optional[type]] = None
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        if num_heads < 1:
+            raise KernelConfigError(f"the number of attention heads must be >= 1, got {num_heads}")
+        self.num_heads = num_heads
+
+    def compute_dtype(self) -> torch.dtype:
+        """float32, or float64 when the kernel's tensors are float64 (gradient checks)."""
+        tensors = list(self.parameters()) + list(self.buffers())
+        if any(t.dtype == torch.float64 for t in tensors):
+            return torch.float64
+        return torch.float32
+
+    def forward(self, distance: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"{self.name}, heads={self.num_heads}"

@@ -1,0 +1,19 @@
+"""No positional bias: the causal mask alone (NoPE)."""
+
+import torch
+from torch import Tensor
+
+from kerple_fairseq.kernels.base import BiasKernel
+from kerple_fairseq.kernels.registry import register_kernel
+
+
+@register_kernel("none")
+class NoBiasKernel(BiasKernel):
+    """``B_h(d) = 0``: attention sees order only through the causal mask.
+
+    The NoPE baseline (no positional information besides causality), compared
+    against in the slides of ``papers/002`` and used as the cost baseline.
+    """
+
+    def forward(self, distance: Tensor) -> Tensor:
+        return torch.zeros(self.num_heads, distance.numel(), dtype=self.compute_dtype(), device=distance.device)

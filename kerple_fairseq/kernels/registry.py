@@ -1,0 +1,57 @@
+"""Name -> kernel class registry, and the command-line options the kernels declare."""
+
+import dataclasses
+from typing import Dict, List, Type
+
+from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.kernels.base import BiasKernel
+
+KERNELS: Dict[str, Type[BiasKernel]] = {}
+
+
+def register_kernel(name: str):
+    """Class decorator: make a :class:`BiasKernel` available as ``--bias-kernel NAME``."""
+
+    def wrap(cls: Type[BiasKernel]) -> Type[BiasKernel]:
+        if name in KERNELS:
+            raise ValueError(f"bias kernel {name!r} is registered twice")
+        if not issubclass(cls, BiasKernel):
+            raise TypeError(f"{cls.__name__} must subclass BiasKernel")
+        cls.name = name
+        KERNELS[name] = cls
+        return cls
+
+    return wrap
+
+
+def kernel_names() -> List[str]:
+    return sorted(KERNELS)
+
+
+def build_kernel(name: str, num_heads: int, cfg=None) -> BiasKernel:
+    """Instantiate kernel ``name`` for ``num_heads`` heads, reading its options from ``cfg``.
+
+    Options missing from ``cfg`` (or ``None`` there) take the option dataclass's default.
+    """
+    if name not in KERNELS:
+        raise KernelConfigError(
+            f"unknown bias kernel {name!r}; choose one of: {', '.join(kernel_names())}"
+        )
+    cls = KERNELS[name]
+    kwargs = {}
+    for f in dataclasses.fields(cls.options) if cls.options else ():
+        value = getattr(cfg, f.name, None) if cfg is not None else None
+        kwargs[f.name] = f.default if value is None else value
+    return cls(num_heads, **kwargs)
+
+
+def option_fields() -> List[dataclasses.Field]:
+    """Every option field declared by a registered kernel, each once, in a stable order."""
+    seen: Dict[str, dataclasses.Field] = {}
+    for name in kernel_names():
+        options = KERNELS[name].options
+        for f in dataclasses.fields(options) if options else ():
+            # kernels may share one options dataclass, but not declare one flag twice
+            if seen.setdefault(f.name, f) is not f:
+                raise ValueError(f"kernel option {f.name!r} is declared by two options dataclasses")
+    return list(seen.values())

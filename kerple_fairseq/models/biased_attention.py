@@ -1,0 +1,94 @@
+"""Self-attention that adds a per-head bias on every path, incremental decoding included."""
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+from fairseq import utils
+from fairseq.modules import MultiheadAttention
+from torch import Tensor
+
+BiasSource = Callable[[int, int, torch.dtype, torch.device], Tensor]
+
+
+class KernelBiasedSelfAttention(MultiheadAttention):
+    """fairseq's self-attention, with masks of shape ``[heads, queries, keys]``.
+
+    ``attn_mask`` may be ``[queries, keys]`` (stock fairseq) or
+    ``[heads, queries, keys]``; either is broadcast over the batch, never
+    copied per batch element. During incremental decoding fairseq passes no
+    mask, so the bias for the new queries against all cached keys comes from
+    ``bias_source(query_len, key_len, dtype, device)``. The key/value cache has
+    fairseq's layout, so beam-search reordering works unchanged.
+
+    Parameters and state-dict keys are those of :class:`MultiheadAttention`.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, bias_source: BiasSource, dropout: float = 0.0,
+                 q_noise: float = 0.0, qn_block_size: int = 8):
+        super().__init__(embed_dim, num_heads, dropout=dropout, self_attention=True,
+                         q_noise=q_noise, qn_block_size=qn_block_size)
+        self.bias_source = bias_source
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        key_padding_mask: Optional[Tensor] = None,
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        need_weights: bool = True,
+        static_kv: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        before_softmax: bool = False,
+        need_head_weights: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        if static_kv:
+            raise ValueError("KernelBiasedSelfAttention is self-attention only (static_kv=True given)")
+        tgt_len, bsz, embed_dim = query.size()
+        heads, head_dim = self.num_heads, self.head_dim
+
+        def split_heads(x: Tensor) -> Tensor:  # [T, B, E] -> [B, H, T, D]
+            return x.view(tgt_len, bsz, heads, head_dim).permute(1, 2, 0, 3)
+
+        q = split_heads(self.q_proj(query) * self.scaling)
+        k = split_heads(self.k_proj(query))
+        v = split_heads(self.v_proj(query))
+
+        if incremental_state is not None:
+            saved = self._get_input_buffer(incremental_state)
+            if "prev_key" in saved:
+                k = torch.cat([saved["prev_key"], k], dim=2)
+                v = torch.cat([saved["prev_value"], v], dim=2)
+            key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
+                key_padding_mask=key_padding_mask,
+                prev_key_padding_mask=saved.get("prev_key_padding_mask"),
+                batch_size=bsz,
+                src_len=k.size(2),
+                static_kv=False,
+            )
+            saved["prev_key"], saved["prev_value"] = k, v
+            saved["prev_key_padding_mask"] = key_padding_mask
+            self._set_input_buffer(incremental_state, saved)
+            if attn_mask is None:
+                attn_mask = self.bias_source(tgt_len, k.size(2), q.dtype, q.device)
+        src_len = k.size(2)
+
+        scores = torch.matmul(q, k.transpose(-1, -2))  # [B, H, T, S]
+        if attn_mask is not None:
+            scores = scores + attn_mask.to(scores.dtype)  # [T, S] or [H, T, S], broadcast
+        if key_padding_mask is not None:
+            scores = scores.masked_fill(key_padding_mask.view(bsz, 1, 1, src_len).to(torch.bool), float("-inf"))
+        if before_softmax:
+            return scores.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
+
+        probs_float = utils.softmax(scores, dim=-1, onnx_trace=self.onnx_trace)
+        probs = self.dropout_module(probs_float.type_as(scores))
+        attn = torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)
+        attn = self.out_proj(attn)
+
+        weights: Optional[Tensor] = None
+        if need_weights or need_head_weights:
+            weights = probs_float.transpose(0, 1)  # [H, B, T, S], as fairseq returns them
+            if not need_head_weights:
+                weights = weights.mean(dim=0)
+        return attn, weights

@@ -1,0 +1,43 @@
+"""The plugin's model options: fairseq's ``transformer_lm`` options plus the kernel's."""
+
+import dataclasses
+from dataclasses import field
+
+from fairseq.dataclass import ChoiceEnum
+from fairseq.models.transformer_lm import TransformerLanguageModelConfig
+
+from kerple_fairseq.kernels import kernel_names, option_fields
+
+
+def _make_config():
+    plugin_fields = [
+        (
+            "bias_kernel",
+            ChoiceEnum(kernel_names()),
+            field(default="kerple_log", metadata={"help": "positional attention-bias kernel"}),
+        ),
+        (
+            "token_positional_embeddings",
+            bool,
+            field(
+                default=False,
+                metadata={
+                    "help": "also add fairseq's token positional embeddings (sinusoidal, or learned "
+                    "with --decoder-learned-pos); only with --bias-kernel none, since every other "
+                    "kernel already encodes position"
+                },
+            ),
+        ),
+    ]
+    # each kernel declares its own options; copy them so this dataclass owns its fields
+    for f in option_fields():
+        plugin_fields.append((f.name, f.type, field(default=f.default, metadata=dict(f.metadata))))
+    return dataclasses.make_dataclass(
+        "KernelBiasedLMConfig",
+        plugin_fields,
+        bases=(TransformerLanguageModelConfig,),
+        namespace={"__doc__": "transformer_lm options plus --bias-kernel and every kernel's options."},
+    )
+
+
+KernelBiasedLMConfig = _make_config()

@@ -1,0 +1,56 @@
+"""fairseq's Transformer decoder with a kernel bias in place of the future mask."""
+
+from fairseq.models.transformer import TransformerDecoder
+
+from kerple_fairseq.kernels import build_kernel
+from kerple_fairseq.models.attention_bias import AttentionBias
+from kerple_fairseq.models.biased_attention import KernelBiasedSelfAttention
+
+# what max_positions() reports when nothing in the model limits the length
+UNBOUNDED_POSITIONS = 1 << 30
+
+
+class KernelBiasedDecoder(TransformerDecoder):
+    """A :class:`TransformerDecoder` whose ``buffered_future_mask`` is causal mask plus kernel bias.
+
+    The kernel (``args.bias_kernel``) and its parameters live once, in
+    ``self.attention_bias``; every layer's self-attention reads the same bias,
+    built once per forward pass.
+    """
+
+    def __init__(self, args, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
+        super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
+                         output_projection=output_projection)
+        self.attention_bias = AttentionBias(build_kernel(args.bias_kernel, args.decoder_attention_heads, args))
+        for layer in self.layers:
+            stock = layer.self_attn
+            layer.self_attn = KernelBiasedSelfAttention(
+                stock.embed_dim,
+                stock.num_heads,
+                bias_source=self.attention_bias.forward,
+                dropout=args.attention_dropout,
+                q_noise=args.quant_noise_pq,
+                qn_block_size=args.quant_noise_pq_block_size,
+            )
+
+    def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None,
+                         full_context_alignment=False, alignment_layer=None, alignment_heads=None):
+        with self.attention_bias.forward_scope():
+            return super().extract_features(
+                prev_output_tokens,
+                encoder_out=encoder_out,
+                incremental_state=incremental_state,
+                full_context_alignment=full_context_alignment,
+                alignment_layer=alignment_layer,
+                alignment_heads=alignment_heads,
+            )
+
+    def buffered_future_mask(self, tensor):
+        length = tensor.size(0)
+        return self.attention_bias(length, length, tensor.dtype, tensor.device)
+
+    def max_positions(self):
+        """Token positional embeddings bound the length; a bias kernel does not."""
+        if self.embed_positions is None:
+            return UNBOUNDED_POSITIONS
+        return super().max_positions()

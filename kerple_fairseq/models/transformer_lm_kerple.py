@@ -1,0 +1,90 @@
+"""``transformer_lm`` with pluggable attention-bias kernels, and its architectures."""
+
+from contextlib import contextmanager
+
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models import transformer_lm
+from fairseq.models.transformer_lm import (
+    TransformerLanguageModel,
+    base_lm_architecture,
+    transformer_lm_baevski_wiki103,
+)
+from fairseq.utils import safe_getattr
+
+from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.models.config import KernelBiasedLMConfig
+from kerple_fairseq.models.decoder import KernelBiasedDecoder
+
+# the model; its architectures below are what --arch names
+MODEL_NAME = "kerple_lm"
+
+
+@contextmanager
+def _decoder_class(decoder_cls):
+    # TransformerLanguageModel.build_model builds the embeddings (plain, adaptive or
+    # character) and then instantiates the module-level name TransformerDecoder;
+    # pointing that name at our decoder for the call reuses all of it unchanged.
+    stock = transformer_lm.TransformerDecoder
+    transformer_lm.TransformerDecoder = decoder_cls
+    try:
+        yield
+    finally:
+        transformer_lm.TransformerDecoder = stock
+
+
+def check_positions(args) -> None:
+    if args.bias_kernel != "none" and not args.no_token_positional_embeddings:
+        raise KernelConfigError(
+            f"--bias-kernel {args.bias_kernel} already encodes position, but token positional "
+            "embeddings are on as well; drop --token-positional-embeddings (or set "
+            "no_token_positional_embeddings=True), or use --bias-kernel none for an "
+            "absolute-position baseline"
+        )
+
+
+@register_model(MODEL_NAME, dataclass=KernelBiasedLMConfig)
+class KernelBiasedLanguageModel(TransformerLanguageModel):
+    """A decoder-only Transformer LM whose attention carries a positional bias kernel."""
+
+    @classmethod
+    def build_model(cls, args, task):
+        kerple_base_architecture(args)
+        check_positions(args)
+        with _decoder_class(KernelBiasedDecoder):
+            return super().build_model(args, task)
+
+
+def _plugin_defaults(args, default_kernel: str) -> None:
+    args.bias_kernel = safe_getattr(args, "bias_kernel", default_kernel)
+    args.token_positional_embeddings = safe_getattr(args, "token_positional_embeddings", False)
+    args.no_token_positional_embeddings = safe_getattr(
+        args, "no_token_positional_embeddings", False
+    ) or not args.token_positional_embeddings
+
+
+@register_model_architecture(MODEL_NAME, "transformer_lm_kerple")
+def kerple_base_architecture(args):
+    """fairseq's ``transformer_lm`` sizes, KERPLE-log bias, no token positions."""
+    _plugin_defaults(args, "kerple_log")
+    base_lm_architecture(args)
+
+
+@register_model_architecture(MODEL_NAME, "transformer_lm_kerple_wiki103")
+def kerple_wiki103_architecture(args):
+    """ALiBi's WikiText-103 model (``transformer_lm_wiki103``), KERPLE-log bias."""
+    _plugin_defaults(args, "kerple_log")
+    transformer_lm_baevski_wiki103(args)
+
+
+@register_model_architecture(MODEL_NAME, "transformer_lm_alibi")
+def alibi_base_architecture(args):
+    """fairseq's ``transformer_lm`` sizes, ALiBi bias, no token positions."""
+    _plugin_defaults(args, "alibi")
+    base_lm_architecture(args)
+
+
+@register_model_architecture(MODEL_NAME, "transformer_lm_alibi_wiki103")
+def alibi_wiki103_architecture(args):
+    """ALiBi's WikiText-103 model (``transformer_lm_wiki103``), ALiBi bias."""
+    _plugin_defaults(args, "alibi")
+    transformer_lm_baevski_wiki103(args)

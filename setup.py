@@ -1,0 +1,22 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="kerple-fairseq",
+    version="0.1.0",
+    description="fairseq plugin: pluggable positional attention-bias kernels (ALiBi, KERPLE, ...) "
+    "for length-extrapolation research",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["kerple_fairseq", "kerple_fairseq.*"]),
+    python_requires=">=3.8",
+    install_requires=[
+        # fairseq 0.12.2 does not run on Python 3.11+; fairseq-fixed is its maintained rebuild
+        'fairseq==0.12.2; python_version < "3.11"',
+        'fairseq-fixed==0.12.3.1; python_version >= "3.11"',
+        "torch",
+        "sacremoses",
+        "numpy",
+        "tensorboard",
+    ],
+    extras_require={"test": ["pytest"]},
+)
