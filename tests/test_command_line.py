@@ -1,0 +1,76 @@
+"""Bad input on the command line: one clear line and a non-zero exit; --user-dir resolution."""
+
+import sys
+
+import pytest
+
+from conftest import REPO, fairseq_cli, run
+
+TINY = ["--task", "language_modeling", "--decoder-layers", "1", "--decoder-embed-dim", "16",
+        "--decoder-ffn-embed-dim", "16", "--decoder-attention-heads", "2", "--tokens-per-sample", "16",
+        "--max-tokens", "64", "--max-update", "1", "--cpu", "--optimizer", "adam", "--lr", "0.001",
+        "--disable-validation", "--num-workers", "0"]
+
+
+def train_command(data_bin, save_dir, *flags, user_dir="kerple_fairseq"):
+    return [fairseq_cli("fairseq-train"), data_bin, "--user-dir", user_dir, *TINY, "--save-dir", save_dir, *flags]
+
+
+def assert_one_line_error(proc, expected, save_dir):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert expected in last, proc.stderr[-2000:]
+    assert not list(save_dir.glob("*.pt")), "no checkpoint written"
+
+
+def test_unknown_kernel(data_bin, tmp_path):
+    proc = run(train_command(data_bin, tmp_path, "--arch", "transformer_lm_kerple", "--bias-kernel", "kerple_logg"),
+               check=False)
+    assert_one_line_error(proc, "argument --bias-kernel: invalid choice: 'kerple_logg'", tmp_path)
+
+
+def test_kernel_option_out_of_range(data_bin, tmp_path):
+    proc = run(train_command(data_bin, tmp_path, "--arch", "transformer_lm_kerple", "--kernel-param-floor", "0"),
+               check=False)
+    assert_one_line_error(proc, "kerple_fairseq: error: --kernel-param-floor must be in (0, 1), got 0.0", tmp_path)
+
+
+def test_bias_kernel_with_token_positions_left_on(data_bin, tmp_path):
+    proc = run(train_command(data_bin, tmp_path, "--arch", "transformer_lm_alibi", "--token-positional-embeddings"),
+               check=False)
+    assert_one_line_error(proc, "kerple_fairseq: error: --bias-kernel alibi already encodes position", tmp_path)
+
+
+def test_none_kernel_with_token_positions_is_the_absolute_position_baseline(data_bin, tmp_path):
+    run(train_command(data_bin, tmp_path, "--arch", "transformer_lm_kerple", "--bias-kernel", "none",
+                      "--token-positional-embeddings"))
+    import torch
+
+    state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    assert state["cfg"]["model"]["no_token_positional_embeddings"] is False
+
+
+def test_user_dir_from_another_directory_names_the_installed_package(tmp_path):
+    """fairseq resolves `--user-dir kerple_fairseq` outside the repo to
+    <site-packages>/fairseq/../kerple_fairseq; with the package already imported (as kerple's own
+    scripts do) that must not be refused as 'not globally unique'."""
+    script = (
+        "import argparse, os, kerple_fairseq\n"
+        "from fairseq import utils\n"
+        "utils.import_user_module(argparse.Namespace(user_dir='kerple_fairseq'))\n"
+        "print('resolved', os.path.realpath(kerple_fairseq.__path__[0]))\n"
+    )
+    proc = run([sys.executable, "-c", script], cwd=tmp_path)
+    assert "resolved" in proc.stdout
+
+
+def test_user_dir_from_the_repo_root_after_import():
+    script = (
+        "import argparse, kerple_fairseq\n"
+        "from fairseq import utils\n"
+        "utils.import_user_module(argparse.Namespace(user_dir='kerple_fairseq'))\n"
+        "print('ok')\n"
+    )
+    proc = run([sys.executable, "-c", script], cwd=REPO)
+    assert "ok" in proc.stdout
