@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up ./.venv if needed, then run the test suite. Tests read the WikiText-103 sample from
+# ../shared/data/wikitext-103-sample (or $KERPLE_WIKITEXT_DIR).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup-env.sh
+exec .venv/bin/python -m pytest -q tests "$@"

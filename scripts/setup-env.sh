@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create ./.venv and install kerple-fairseq with its dependencies into it. Idempotent.
+#   PYTHON=python3.10 bash scripts/setup-env.sh   # choose the interpreter
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv
+fi
+py=.venv/bin/python
+echo "setup-env: installing into $(pwd)/.venv (fairseq builds from source the first time: ~6 min)" >&2
+"$py" -m pip install -q --upgrade pip setuptools wheel
+# Pinned: an unpinned torch resolves to a multi-GB CUDA build.
+"$py" -m pip install -q "torch==2.13.0" numpy cython
+# fairseq's build imports torch, so build it against the torch above (no isolated build env,
+# which would fetch another torch). setup.py picks fairseq-fixed on Python 3.11+.
+"$py" -m pip install -q --no-build-isolation ".[test]"
+"$py" -c "import kerple_fairseq, fairseq, torch; print('setup-env: fairseq', fairseq.__version__, 'torch', torch.__version__)" 2>&1 | grep setup-env

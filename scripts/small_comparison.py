@@ -1,0 +1,171 @@
+#!/usr/bin/env python
+"""The small offline ALiBi vs KERPLE-log run: preprocess, train two tiny models, evaluate, tabulate.
+
+Reads WikiText-103 ``wiki.{train,valid,test}.tokens`` from ``--wikitext-dir`` (or the
+``WIKITEXT103_DIR`` variable), preprocesses them into ``data-bin/``, trains
+``transformer_lm_alibi`` and ``transformer_lm_kerple`` with identical settings on CPU,
+scores the validation split with stock ``fairseq-eval-lm`` in non-overlapping blocks at
+several lengths, and prints a perplexity table (also written as markdown and JSON).
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SPLITS = ("train", "valid", "test")
+KERNEL_ARCHS = {"alibi": "transformer_lm_alibi", "kerple_log": "transformer_lm_kerple"}
+NO_DATA = (
+    "no WikiText-103 tokens directory given: pass --wikitext-dir DIR or set WIKITEXT103_DIR=DIR, "
+    "where DIR holds wiki.train.tokens, wiki.valid.tokens and wiki.test.tokens (the wikitext-103-v1 "
+    "release; offline, the sample in ../shared/data/wikitext-103-sample works)"
+)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--wikitext-dir", default=os.environ.get("WIKITEXT103_DIR"),
+                   help="directory with wiki.{train,valid,test}.tokens (default: $WIKITEXT103_DIR)")
+    p.add_argument("--data-bin", type=Path, help="preprocessed output (default: data-bin/<name of the tokens dir>)")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "small-comparison",
+                   help="checkpoints, logs and results (default: runs/small-comparison)")
+    p.add_argument("--vocab-size", type=int, default=8000,
+                   help="keep the most frequent words, the rest become <unk> (CPU cost is dominated by "
+                   "the output layer; 0 keeps all)")
+    p.add_argument("--train-length", type=int, default=128, help="tokens per training sample")
+    p.add_argument("--eval-lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048],
+                   help="non-overlapping evaluation lengths")
+    p.add_argument("--updates", type=int, default=600, help="training updates per model")
+    p.add_argument("--max-tokens", type=int, default=2048, help="tokens per update")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1)
+    return p.parse_args()
+
+
+def fail(message):
+    print(f"small_comparison: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def stage(message):
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def run(cmd, log=None):
+    """Run a fairseq command; its log goes to the terminal and, if given, to ``log``."""
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "train_inner" in line or "| train |" in line or "Evaluated" in line or "Loss (base 2)" in line:
+            print("    " + line.rstrip().split(" | ", 1)[-1], flush=True)
+    proc.wait()
+    if log is not None:
+        log.write_text("".join(lines))
+    if proc.returncode != 0:
+        sys.stderr.write("".join(lines[-30:]))
+        fail(f"{Path(str(cmd[0])).name} exited with {proc.returncode}")
+    return "".join(lines)
+
+
+def preprocess(tokens_dir: Path, dest: Path, vocab_size: int):
+    """fairseq-preprocess --only-source into ``dest``, reusing a complete earlier result."""
+    stamp = {"source": str(tokens_dir.resolve()), "vocab_size": vocab_size,
+             "sizes": {s: (tokens_dir / f"wiki.{s}.tokens").stat().st_size for s in SPLITS}}
+    stamp_file = dest / "kerple-source.json"
+    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
+        stage(f"data-bin {dest} is up to date")
+        return
+    if dest.exists() and not stamp_file.is_file():
+        fail(f"{dest} exists but was not written by this script; remove it or pass --data-bin elsewhere")
+    stage(f"preprocessing {tokens_dir} into {dest}")
+    partial = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    cmd = [BIN / "fairseq-preprocess", "--only-source", "--workers", "2", "--destdir", partial]
+    for split, flag in zip(SPLITS, ("--trainpref", "--validpref", "--testpref")):
+        cmd += [flag, tokens_dir / f"wiki.{split}.tokens"]
+    if vocab_size:
+        cmd += ["--nwordssrc", str(vocab_size)]
+    run(cmd)
+    (partial / "kerple-source.json").write_text(json.dumps(stamp))
+    shutil.rmtree(dest, ignore_errors=True)
+    partial.rename(dest)  # complete or absent, never half-written
+
+
+def train(args, data_bin: Path, kernel: str) -> Path:
+    save_dir = args.out / kernel
+    if save_dir.exists():
+        shutil.rmtree(save_dir)
+    save_dir.mkdir(parents=True)
+    stage(f"training {KERNEL_ARCHS[kernel]} (--bias-kernel {kernel}), {args.updates} updates")
+    run([BIN / "fairseq-train", data_bin, "--user-dir", REPO / "kerple_fairseq", "--task", "language_modeling",
+         "--arch", KERNEL_ARCHS[kernel], "--bias-kernel", kernel,
+         "--decoder-layers", args.layers, "--decoder-embed-dim", args.width,
+         "--decoder-ffn-embed-dim", 2 * args.width, "--decoder-attention-heads", args.heads,
+         "--dropout", "0.1", "--tokens-per-sample", args.train_length, "--sample-break-mode", "none",
+         "--max-tokens", args.max_tokens, "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
+         "--lr", "0.002", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20",
+         "--clip-norm", "1.0", "--max-update", args.updates, "--cpu", "--seed", args.seed,
+         "--num-workers", "0", "--disable-validation", "--no-epoch-checkpoints",
+         "--log-format", "simple", "--log-interval", "25", "--save-dir", save_dir,
+         "--tensorboard-logdir", args.out / "tensorboard" / kernel],
+        log=save_dir / "train.log")
+    return save_dir / "checkpoint_last.pt"
+
+
+def evaluate(args, data_bin: Path, checkpoint: Path, length: int) -> dict:
+    out = run([BIN / "fairseq-eval-lm", data_bin, "--user-dir", REPO / "kerple_fairseq", "--path", checkpoint,
+               "--gen-subset", "valid", "--tokens-per-sample", length, "--context-window", "0",
+               "--max-sentences", "1", "--cpu", "--num-workers", "0"])
+    tokens = int(re.search(r"Evaluated ([\d,]+) tokens", out).group(1).replace(",", ""))
+    loss, ppl = map(float, re.search(r"Loss \(base 2\): ([\d.]+), Perplexity: ([\d.]+)", out).groups())
+    return {"length": length, "loss": loss, "ppl": ppl, "num_tokens": tokens}
+
+
+def table(results: dict, lengths) -> str:
+    rows = ["| kernel | " + " | ".join(f"L={n}" for n in lengths) + " |",
+            "|---|" + "---|" * len(lengths)]
+    for kernel, records in results.items():
+        rows.append(f"| {kernel} | " + " | ".join(f"{r['ppl']:.2f}" for r in records) + " |")
+    return "\n".join(rows)
+
+
+def main():
+    args = parse_args()
+    if not args.wikitext_dir:
+        fail(NO_DATA)
+    tokens_dir = Path(args.wikitext_dir)
+    missing = [f"wiki.{s}.tokens" for s in SPLITS if not (tokens_dir / f"wiki.{s}.tokens").is_file()]
+    if missing:
+        fail(f"{tokens_dir} lacks {', '.join(missing)}; " + NO_DATA.split(": ", 1)[1])
+    if any(n <= 0 for n in [args.train_length, args.updates, *args.eval_lengths]):
+        fail("--train-length, --updates and --eval-lengths must be positive")
+    started = time.time()
+    data_bin = args.data_bin or REPO / "data-bin" / tokens_dir.resolve().name
+    preprocess(tokens_dir, data_bin, args.vocab_size)
+    results = {}
+    for kernel in KERNEL_ARCHS:
+        checkpoint = train(args, data_bin, kernel)
+        stage(f"evaluating {kernel}: non-overlapping blocks of {', '.join(map(str, args.eval_lengths))} tokens")
+        results[kernel] = [evaluate(args, data_bin, checkpoint, n) for n in args.eval_lengths]
+    text = (f"Validation perplexity, non-overlapping (early-token-cursed), trained at L={args.train_length} "
+            f"for {args.updates} updates of {args.max_tokens} tokens; {args.layers} layers, width {args.width}, "
+            f"{args.heads} heads, {args.vocab_size or 'full'} vocabulary.\n\n" + table(results, args.eval_lengths))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.md").write_text(text + "\n")
+    (args.out / "results.json").write_text(json.dumps(results, indent=1))
+    print("\n" + text + "\n")
+    stage(f"done in {(time.time() - started) / 60:.1f} min; results in {args.out}")
+
+
+if __name__ == "__main__":
+    main()
