@@ -19,4 +19,5 @@ setup(
         "tensorboard",
     ],
     extras_require={"test": ["pytest"]},
+    entry_points={"console_scripts": ["kerple-eval-lm = kerple_fairseq.evaluation.cli:cli_main"]},
 )

@@ -1,6 +1,7 @@
 """Shared fixtures: a small data-bin built from the real WikiText-103 sample in ../shared."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +49,53 @@ def data_bin(sample_dir, tmp_path_factory):
          "--trainpref", raw / "wiki.train.tokens", "--validpref", raw / "wiki.valid.tokens",
          "--testpref", raw / "wiki.test.tokens", "--destdir", dest])
     return dest
+
+
+TRAIN_LENGTH = 64
+TRAIN_FLAGS = ["--task", "language_modeling", "--user-dir", "kerple_fairseq",
+               "--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "128",
+               "--decoder-attention-heads", "4", "--dropout", "0.1",
+               "--tokens-per-sample", str(TRAIN_LENGTH), "--sample-break-mode", "none", "--max-tokens", "1024",
+               "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "5",
+               "--cpu", "--seed", "3", "--log-format", "json", "--log-interval", "1", "--num-workers", "0",
+               "--disable-validation", "--no-epoch-checkpoints"]
+UPDATES = 40
+
+
+def train(data_bin, save_dir, updates, *flags):
+    """fairseq-train a tiny model; returns the logged training losses."""
+    import json
+
+    proc = run([fairseq_cli("fairseq-train"), data_bin, *TRAIN_FLAGS, "--max-update", str(updates),
+                "--save-dir", save_dir, *flags])
+    return [float(json.loads(line[line.index("{"):])["loss"]) for line in (proc.stdout + proc.stderr).splitlines()
+            if "train_inner" in line and "{" in line]
+
+
+@pytest.fixture(scope="session")
+def trained(data_bin, tmp_path_factory):
+    """Tiny models trained at length 64: the two kernels of the comparison, and stock
+    transformer_lm with sinusoidal and with learned positions (the baselines)."""
+    runs = {
+        "alibi": ["--arch", "transformer_lm_kerple", "--bias-kernel", "alibi"],
+        "kerple_log": ["--arch", "transformer_lm_kerple", "--bias-kernel", "kerple_log"],
+        "sinusoidal": ["--arch", "transformer_lm"],
+        "learned": ["--arch", "transformer_lm", "--decoder-learned-pos"],
+    }
+    out = {}
+    for name, flags in runs.items():
+        save_dir = tmp_path_factory.mktemp(f"ckpt-{name}")
+        updates = UPDATES if name in ("alibi", "kerple_log") else 10
+        out[name] = (save_dir, train(data_bin, save_dir, updates, *flags))
+    return out
+
+
+def stock_eval_lm(data_bin, checkpoint, length, *extra):
+    """Stock fairseq-eval-lm in non-overlapping blocks: (tokens scored, base-2 loss, perplexity)."""
+    proc = run([fairseq_cli("fairseq-eval-lm"), data_bin, "--path", checkpoint, "--gen-subset", "valid",
+                "--tokens-per-sample", str(length), "--context-window", "0", "--max-sentences", "1",
+                "--cpu", "--num-workers", "0", *extra])
+    out = proc.stdout + proc.stderr
+    tokens = int(re.search(r"Evaluated ([\d,]+) tokens", out).group(1).replace(",", ""))
+    loss, ppl = map(float, re.search(r"Loss \(base 2\): ([\d.]+), Perplexity: ([\d.]+)", out).groups())
+    return tokens, loss, ppl

@@ -1,0 +1,1 @@
+"""Length-extrapolation evaluation: token windows for each protocol, and their batched scoring."""

@@ -1,0 +1,239 @@
+"""``kerple-eval-lm``: perplexity under several protocols at many lengths in one run.
+
+fairseq-eval-lm's options (positional data dir, ``--path``, ``--gen-subset``,
+``--max-tokens``, ``--cpu``, ``--fp16``, ``--model-overrides``, ``--context-window``)
+plus ``--protocol``, ``--lengths``, ``--num-targets``, ``--results-json`` and
+``--position-wise``. The plugin is loaded by this command, so ``--user-dir`` is
+only needed for other plugins.
+"""
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+from typing import Dict, List
+
+import numpy as np
+import torch
+from fairseq import checkpoint_utils, options, tasks, utils
+from fairseq.data import data_utils
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq.modules import LearnedPositionalEmbedding
+
+from kerple_fairseq.evaluation import windows as W
+from kerple_fairseq.evaluation.scorer import WindowScorer
+
+PROG = "kerple-eval-lm"
+
+
+class EvalError(Exception):
+    """A problem with the user's input; reported as one line."""
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = options.get_eval_lm_parser()
+    parser.prog = PROG
+    group = parser.add_argument_group("length extrapolation (kerple-eval-lm)")
+    group.add_argument("--protocol", choices=W.PROTOCOLS + ("all",), default="early-token-cursed",
+                       help="early-token-cursed: non-overlapping blocks, every token scored; sliding: "
+                       "fairseq's --context-window C; last-token: the same --num-targets targets at "
+                       "every length, each after exactly L-1 tokens; all: the first and last, and "
+                       "sliding too when --context-window > 0")
+    group.add_argument("--lengths", type=positive_int, nargs="+", default=None,
+                       help="evaluation lengths L (default: the --tokens-per-sample in effect)")
+    group.add_argument("--num-targets", type=positive_int, default=1000,
+                       help="targets of the last-token protocol: evenly spaced over the split, "
+                       "each with max(lengths)-1 tokens before it")
+    group.add_argument("--results-json", metavar="FILE",
+                       help="write [{protocol, length, ppl, loss, num_tokens}] (loss in base 2, ppl = 2**loss)")
+    group.add_argument("--position-wise", metavar="FILE",
+                       help="write a CSV of the mean base-2 loss at each position 0..L-1 of the "
+                       "early-token-cursed blocks (length, position, loss, count)")
+    return parser
+
+
+def protocols_to_run(args) -> List[str]:
+    if args.protocol != "all":
+        return [args.protocol]
+    chosen = ["early-token-cursed", "last-token"]
+    if args.context_window > 0:
+        chosen.insert(1, "sliding")
+    return chosen
+
+
+def without_plugin_user_dir(argv: List[str]) -> List[str]:
+    """Drop a ``--user-dir`` naming this plugin, which this command has already imported
+    (fairseq would refuse a second copy, e.g. the repository's beside the installed one)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--user-dir" and i + 1 < len(argv):
+            value, width = argv[i + 1], 2
+        elif arg.startswith("--user-dir="):
+            value, width = arg.split("=", 1)[1], 1
+        else:
+            value, width = None, 1
+        if value is None or os.path.basename(os.path.normpath(value)) != "kerple_fairseq":
+            out.extend(argv[i:i + width])
+        i += width
+    return out
+
+
+def load_model(cfg):
+    data = cfg.task.data
+    if not os.path.isfile(os.path.join(data.split(os.pathsep)[0], "dict.txt")):
+        raise EvalError(f"{data} is not a fairseq data-bin (no dict.txt); run fairseq-preprocess --only-source first")
+    if not os.path.isfile(cfg.common_eval.path):
+        raise EvalError(f"checkpoint {cfg.common_eval.path} does not exist")
+    task = tasks.setup_task(cfg.task)
+    try:
+        overrides = eval(cfg.common_eval.model_overrides)
+        models, _, task = checkpoint_utils.load_model_ensemble_and_task(
+            [cfg.common_eval.path], arg_overrides=overrides, task=task)
+    except RuntimeError as e:
+        if "size mismatch" in str(e):
+            raise EvalError(
+                f"the dictionary of {data} ({len(task.source_dictionary)} types) does not match the "
+                "checkpoint's: evaluate on the data-bin the model was trained with, or preprocess with "
+                "fairseq-preprocess --srcdict <its dict.txt>") from e
+        raise EvalError(f"cannot load checkpoint {cfg.common_eval.path}: {str(e).splitlines()[0]}") from e
+    except (EOFError, OSError, ValueError, KeyError, AttributeError, __import__("pickle").UnpicklingError) as e:
+        raise EvalError(f"cannot read checkpoint {cfg.common_eval.path} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else 'truncated file'}); is it a complete fairseq checkpoint?") from e
+    if len(models) != 1:
+        raise EvalError("evaluate one checkpoint at a time (ensembles are not supported)")
+    return models[0], task
+
+
+def token_stream(task, cfg) -> torch.Tensor:
+    """The split as one stream: every line's tokens and its end-of-sentence symbol."""
+    split_path = os.path.join(utils.split_paths(cfg.task.data)[0], cfg.dataset.gen_subset)
+    dataset = data_utils.load_indexed_dataset(split_path, task.source_dictionary, cfg.dataset.dataset_impl)
+    if dataset is None:
+        raise EvalError(f"{cfg.task.data} has no '{cfg.dataset.gen_subset}' split "
+                        f"({cfg.dataset.gen_subset}.bin/.idx); choose one with --gen-subset")
+    return torch.cat([dataset[i].long() for i in range(len(dataset))])
+
+
+def length_limit(model):
+    """The longest input the model can take, or None when nothing bounds it.
+
+    Learned positional embeddings have a fixed table; sinusoidal ones and bias
+    kernels extend to any length.
+    """
+    positions = getattr(model.decoder, "embed_positions", None)
+    if isinstance(positions, LearnedPositionalEmbedding):
+        return positions.max_positions
+    return None
+
+
+def summarise(protocol: str, length: int, scores: List[np.ndarray]) -> Dict:
+    num_tokens = int(sum(s.size for s in scores))
+    if num_tokens == 0:
+        raise EvalError(f"{protocol} at length {length} scored no tokens")
+    total = float(sum(s.astype(np.float64).sum() for s in scores))
+    loss = -total / num_tokens / math.log(2)
+    return {"protocol": protocol, "length": length, "ppl": 2.0 ** loss, "loss": loss, "num_tokens": num_tokens}
+
+
+def position_wise_rows(length: int, scores: List[np.ndarray]):
+    sums = np.zeros(length)
+    counts = np.zeros(length, dtype=np.int64)
+    for s in scores:
+        sums[: s.size] -= s / math.log(2)
+        counts[: s.size] += 1
+    return [(length, p, sums[p] / counts[p], int(counts[p])) for p in range(length) if counts[p]]
+
+
+def format_table(records: List[Dict]) -> str:
+    lines = [f"{'protocol':<20} {'length':>7} {'ppl':>10} {'loss':>8} {'tokens':>10}"]
+    for r in records:
+        lines.append(f"{r['protocol']:<20} {r['length']:>7} {r['ppl']:>10.3f} {r['loss']:>8.4f} {r['num_tokens']:>10}")
+    return "\n".join(lines)
+
+
+def evaluate(args, cfg) -> int:
+    model, task = load_model(cfg)
+    use_cuda = torch.cuda.is_available() and not cfg.common.cpu
+    if cfg.common.fp16:
+        model.half()
+    if use_cuda:
+        model.cuda()
+    model.prepare_for_inference_(cfg)
+    model.eval()
+    device = next(model.parameters()).device
+
+    stream = token_stream(task, cfg)
+    inputs = torch.cat([stream.new_tensor([task.source_dictionary.eos()]), stream[:-1]])
+    lengths = args.lengths or [cfg.task.tokens_per_sample]
+    protocols = protocols_to_run(args)
+    if "sliding" in protocols and args.context_window >= min(lengths):
+        raise EvalError(f"--context-window {args.context_window} must be smaller than every length")
+    limit = length_limit(model)
+    scorer = WindowScorer(model, inputs, stream, cfg.dataset.max_tokens or 36000, device,
+                          progress=not cfg.common.no_progress_bar)
+    targets = None
+    if "last-token" in protocols:
+        if min(lengths) < 2:
+            raise EvalError("the last-token protocol needs lengths >= 2")
+        try:
+            targets = W.last_token_targets(len(stream), max(lengths), args.num_targets)
+        except ValueError as e:
+            raise EvalError(str(e)) from e
+
+    records, positions, failed = [], [], []
+    for length in lengths:
+        if limit is not None and length > limit:
+            print(f"{PROG}: error: length {length} exceeds the {limit} learned positional embeddings of "
+                  "the model; it cannot be evaluated there (sinusoidal or bias-kernel models can)",
+                  file=sys.stderr)
+            failed.append(length)
+            continue
+        for protocol in protocols:
+            if protocol == "early-token-cursed":
+                spans = W.early_token_cursed(len(stream), length)
+            elif protocol == "sliding":
+                spans = W.sliding(len(stream), length, args.context_window)
+            else:
+                spans = W.last_token(targets, length)
+            scores = scorer.score(spans, description=f"{protocol} L={length}")
+            records.append(summarise(protocol, length, scores))
+            if protocol == "early-token-cursed" and args.position_wise:
+                positions.extend(position_wise_rows(length, scores))
+            print(format_table(records[-1:]).splitlines()[1], file=sys.stderr, flush=True)
+
+    print(format_table(records))
+    if args.results_json:
+        with open(args.results_json, "w") as f:
+            json.dump(records, f, indent=1)
+    if args.position_wise:
+        with open(args.position_wise, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["length", "position", "loss", "count"])
+            writer.writerows(positions)
+    return 1 if failed else 0
+
+
+def cli_main(argv=None) -> None:
+    argv = without_plugin_user_dir(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    args = options.parse_args_and_arch(parser, argv)
+    cfg = convert_namespace_to_omegaconf(args)
+    try:
+        sys.exit(evaluate(args, cfg))
+    except EvalError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    cli_main()

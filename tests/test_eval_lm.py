@@ -1,0 +1,203 @@
+"""kerple-eval-lm: each protocol against stock fairseq-eval-lm or a brute-force loop."""
+
+import csv
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from fairseq import checkpoint_utils
+
+from conftest import BIN, REPO, run, stock_eval_lm
+
+EVAL_LM = BIN / "kerple-eval-lm"
+
+
+def kerple_eval_lm(data_bin, checkpoint, *flags, check=True, cwd=REPO, tmp=None):
+    """Run the installed command; returns (process, records from --results-json)."""
+    results = os.path.join(tmp, "results.json") if tmp else None
+    cmd = [EVAL_LM, data_bin, "--path", checkpoint, "--gen-subset", "valid", "--cpu", "--no-progress-bar",
+           "--max-tokens", "4096", *flags]
+    if results:
+        cmd += ["--results-json", results]
+    proc = run(cmd, check=check, cwd=cwd)
+    records = json.load(open(results)) if results and proc.returncode == 0 else None
+    return proc, records
+
+
+def ckpt(trained, name):
+    return trained[name][0] / "checkpoint_last.pt"
+
+
+@pytest.mark.parametrize("name", ["kerple_log", "sinusoidal"])
+def test_early_token_cursed_equals_stock_eval_lm(trained, data_bin, tmp_path, name):
+    lengths = [64, 200, 512]
+    _, records = kerple_eval_lm(data_bin, ckpt(trained, name), "--lengths", *map(str, lengths), tmp=tmp_path)
+    assert [r["length"] for r in records] == lengths
+    for record, length in zip(records, lengths):
+        # without the override, stock skips every block longer than the checkpoint's 64 positions
+        tokens, loss, ppl = stock_eval_lm(data_bin, ckpt(trained, name), length, "--user-dir", "kerple_fairseq",
+                                          "--model-overrides", f"{{'max_target_positions': {length}}}")
+        assert record["protocol"] == "early-token-cursed"
+        assert record["num_tokens"] == tokens
+        assert record["ppl"] == pytest.approx(ppl, rel=1e-4)
+        assert record["loss"] == pytest.approx(loss, rel=1e-4)
+        assert record["ppl"] == pytest.approx(2 ** record["loss"], rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["alibi", "sinusoidal"])
+def test_sliding_equals_stock_eval_lm_with_context_window(trained, data_bin, tmp_path, name):
+    length, context = 96, 64
+    _, records = kerple_eval_lm(data_bin, ckpt(trained, name), "--protocol", "sliding", "--lengths", str(length),
+                                "--context-window", str(context), tmp=tmp_path)
+    tokens, loss, ppl = stock_eval_lm(data_bin, ckpt(trained, name), length, "--context-window", str(context),
+                                      "--user-dir", "kerple_fairseq",
+                                      "--model-overrides", f"{{'max_target_positions': {length}}}")
+    assert records[0]["num_tokens"] == tokens
+    assert records[0]["ppl"] == pytest.approx(ppl, rel=1e-4)
+
+
+def brute_force_last_token(model, stream, targets, length):
+    """One forward of exactly the L tokens ending at each target; score only the target."""
+    total = 0.0
+    with torch.no_grad():
+        for t in targets:
+            window = stream[t - length + 1: t + 1]
+            logits, _ = model(window[None, :-1])
+            total += torch.log_softmax(logits[0, -1].float(), dim=-1)[window[-1]].item()
+    return total
+
+
+def test_last_token_equals_brute_force_and_scores_the_same_targets(trained, data_bin, tmp_path):
+    from kerple_fairseq.evaluation import windows as W
+    from kerple_fairseq.evaluation.cli import token_stream
+
+    lengths, num_targets = [8, 64, 300], 50
+    _, records = kerple_eval_lm(data_bin, ckpt(trained, "kerple_log"), "--protocol", "last-token",
+                                "--lengths", *map(str, lengths), "--num-targets", str(num_targets), tmp=tmp_path)
+    models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
+        [str(ckpt(trained, "kerple_log"))], arg_overrides={"data": str(data_bin)})
+    model = models[0].eval()
+    cfg.dataset.gen_subset = "valid"
+    cfg.task.data = str(data_bin)
+    stream = token_stream(task, cfg)
+    targets = W.last_token_targets(len(stream), max(lengths), num_targets)
+    assert targets.min() >= max(lengths) - 1 and len(set(targets.tolist())) == num_targets
+    for record, length in zip(records, lengths):
+        assert record["num_tokens"] == num_targets
+        windows = W.last_token(targets, length)
+        assert [w.score_from for w in windows] == targets.tolist(), "the same targets at every length"
+        assert all(w.end - w.start == length - 1 for w in windows), "exactly L-1 tokens of context"
+        expected = -brute_force_last_token(model, stream, targets, length) / num_targets / math.log(2)
+        assert record["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_protocol_all_and_position_wise_file(trained, data_bin, tmp_path):
+    position_file = tmp_path / "positions.csv"
+    proc, records = kerple_eval_lm(data_bin, ckpt(trained, "alibi"), "--protocol", "all", "--lengths", "32", "64",
+                                   "--num-targets", "40", "--context-window", "16",
+                                   "--position-wise", position_file, tmp=tmp_path)
+    assert [(r["protocol"], r["length"]) for r in records] == [
+        (p, n) for n in (32, 64) for p in ("early-token-cursed", "sliding", "last-token")]
+    for line in ("early-token-cursed", "sliding", "last-token"):
+        assert line in proc.stdout
+    rows = list(csv.DictReader(open(position_file)))
+    by_length = {n: [r for r in rows if int(r["length"]) == n] for n in (32, 64)}
+    assert [int(r["position"]) for r in by_length[64]] == list(range(64))
+    # position-wise losses, weighted by their counts, average to the protocol's loss
+    for n in (32, 64):
+        mean = sum(float(r["loss"]) * int(r["count"]) for r in by_length[n]) / sum(int(r["count"]) for r in by_length[n])
+        record = next(r for r in records if r["protocol"] == "early-token-cursed" and r["length"] == n)
+        assert mean == pytest.approx(record["loss"], rel=1e-6)
+    # the early-token curse: the first positions have the least context and the highest loss
+    assert float(by_length[64][0]["loss"]) > np.mean([float(r["loss"]) for r in by_length[64][32:]])
+
+
+def test_long_length_without_a_batch_sized_bias(trained, data_bin, tmp_path, monkeypatch):
+    """L = 8192 on CPU: the bias the layers share is [heads, L, L], never per batch element."""
+    from kerple_fairseq.evaluation.cli import cli_main
+    from kerple_fairseq.models.attention_bias import AttentionBias
+
+    shapes = []
+    build = AttentionBias.build
+
+    def recording_build(self, *args):
+        mask = build(self, *args)
+        shapes.append(tuple(mask.shape))
+        return mask
+
+    monkeypatch.setattr(AttentionBias, "build", recording_build)
+    results = tmp_path / "r.json"
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main([str(data_bin), "--path", str(ckpt(trained, "alibi")), "--gen-subset", "valid", "--cpu",
+                  "--no-progress-bar", "--lengths", "8192", "--max-tokens", "16384", "--results-json", str(results)])
+    assert exit_info.value.code == 0
+    record = json.load(open(results))[0]
+    assert record["length"] == 8192 and math.isfinite(record["ppl"])
+    assert shapes and all(len(s) == 3 and s[0] == 4 for s in shapes)
+    assert (4, 8192, 8192) in shapes
+
+
+def test_learned_positions_beyond_their_table_fail_clearly(trained, data_bin, tmp_path):
+    # stock fairseq-eval-lm silently skips every block here and prints Perplexity 1.00
+    proc, _ = kerple_eval_lm(data_bin, ckpt(trained, "learned"), "--lengths", "64", "128", check=False, tmp=tmp_path)
+    assert proc.returncode != 0
+    assert "length 128 exceeds the 64 learned positional embeddings" in proc.stderr
+    assert "early-token-cursed        64" in proc.stdout
+
+
+def one_line_error(proc, expected):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert expected in last, proc.stderr[-2000:]
+
+
+def test_missing_checkpoint(data_bin, tmp_path):
+    proc, _ = kerple_eval_lm(data_bin, tmp_path / "nope.pt", check=False)
+    one_line_error(proc, "checkpoint " + str(tmp_path / "nope.pt") + " does not exist")
+
+
+def test_missing_data(trained, tmp_path):
+    proc, _ = kerple_eval_lm(tmp_path / "no-data", ckpt(trained, "alibi"), check=False)
+    one_line_error(proc, "is not a fairseq data-bin (no dict.txt)")
+
+
+def test_corrupt_checkpoint(trained, data_bin, tmp_path):
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(ckpt(trained, "alibi").read_bytes()[:5000])
+    before = broken.read_bytes()
+    proc, _ = kerple_eval_lm(data_bin, broken, check=False)
+    one_line_error(proc, f"cannot read checkpoint {broken}")
+    assert broken.read_bytes() == before
+
+
+def test_dictionary_mismatch(trained, data_bin, tmp_path):
+    other = tmp_path / "other-bin"
+    other.mkdir()
+    for name in os.listdir(data_bin):
+        (other / name).write_bytes((data_bin / name).read_bytes())
+    lines = (data_bin / "dict.txt").read_text().splitlines()
+    (other / "dict.txt").write_text("\n".join(lines[:-10]) + "\n")
+    proc, _ = kerple_eval_lm(other, ckpt(trained, "alibi"), check=False)
+    one_line_error(proc, "does not match the checkpoint's")
+
+
+@pytest.mark.parametrize("lengths", [["0"], ["64", "-5"]])
+def test_lengths_must_be_positive(trained, data_bin, lengths):
+    proc, _ = kerple_eval_lm(data_bin, ckpt(trained, "alibi"), "--lengths", *lengths, check=False)
+    one_line_error(proc, "argument --lengths: must be a positive integer")
+
+
+def test_more_targets_than_the_split_supplies(trained, data_bin):
+    proc, _ = kerple_eval_lm(data_bin, ckpt(trained, "alibi"), "--protocol", "last-token", "--lengths", "64",
+                             "--num-targets", "10000000", check=False)
+    one_line_error(proc, "lower --num-targets or the largest length")
+
+
+def test_user_dir_naming_the_plugin_is_accepted(trained, data_bin, tmp_path):
+    _, records = kerple_eval_lm(data_bin, ckpt(trained, "alibi"), "--user-dir", "kerple_fairseq",
+                                "--lengths", "64", tmp=tmp_path)
+    assert records[0]["num_tokens"] > 0
