@@ -4,14 +4,14 @@
 Reads WikiText-103 ``wiki.{train,valid,test}.tokens`` from ``--wikitext-dir`` (or the
 ``WIKITEXT103_DIR`` variable), preprocesses them into ``data-bin/``, trains
 ``transformer_lm_alibi`` and ``transformer_lm_kerple`` with identical settings on CPU,
-scores the validation split with stock ``fairseq-eval-lm`` in non-overlapping blocks at
-several lengths, and prints a perplexity table (also written as markdown and JSON).
+scores the validation split with ``kerple-eval-lm`` under the early-token-cursed and
+last-token protocols at several lengths, and prints a perplexity table (also written as
+markdown and JSON).
 """
 
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SPLITS = ("train", "valid", "test")
+PROTOCOL_LINES = ("early-token-cursed", "last-token")  # kerple-eval-lm's per-result lines
 KERNEL_ARCHS = {"alibi": "transformer_lm_alibi", "kerple_log": "transformer_lm_kerple"}
 NO_DATA = (
     "no WikiText-103 tokens directory given: pass --wikitext-dir DIR or set WIKITEXT103_DIR=DIR, "
@@ -42,7 +43,8 @@ def parse_args():
     p.add_argument("--train-length", type=int, default=128, help="tokens per training sample")
     p.add_argument("--eval-lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048],
                    help="non-overlapping evaluation lengths")
-    p.add_argument("--updates", type=int, default=600, help="training updates per model")
+    p.add_argument("--num-targets", type=int, default=500, help="targets of the last-token protocol")
+    p.add_argument("--updates", type=int, default=500, help="training updates per model")
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per update")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--width", type=int, default=128)
@@ -66,7 +68,7 @@ def run(cmd, log=None):
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if "train_inner" in line or "| train |" in line or "Evaluated" in line or "Loss (base 2)" in line:
+        if "train_inner" in line or "| train |" in line or line.startswith(PROTOCOL_LINES):
             print("    " + line.rstrip().split(" | ", 1)[-1], flush=True)
     proc.wait()
     if log is not None:
@@ -122,20 +124,23 @@ def train(args, data_bin: Path, kernel: str) -> Path:
     return save_dir / "checkpoint_last.pt"
 
 
-def evaluate(args, data_bin: Path, checkpoint: Path, length: int) -> dict:
-    out = run([BIN / "fairseq-eval-lm", data_bin, "--user-dir", REPO / "kerple_fairseq", "--path", checkpoint,
-               "--gen-subset", "valid", "--tokens-per-sample", length, "--context-window", "0",
-               "--max-sentences", "1", "--cpu", "--num-workers", "0"])
-    tokens = int(re.search(r"Evaluated ([\d,]+) tokens", out).group(1).replace(",", ""))
-    loss, ppl = map(float, re.search(r"Loss \(base 2\): ([\d.]+), Perplexity: ([\d.]+)", out).groups())
-    return {"length": length, "loss": loss, "ppl": ppl, "num_tokens": tokens}
+def evaluate(args, data_bin: Path, checkpoint: Path, kernel: str) -> list:
+    """kerple-eval-lm: early-token-cursed and last-token protocols at every length."""
+    results = args.out / kernel / "eval.json"
+    run([sys.executable, REPO / "scripts" / "eval_lm.py", data_bin, "--path", checkpoint, "--gen-subset", "valid",
+         "--cpu", "--no-progress-bar", "--protocol", "all", "--lengths", *args.eval_lengths, "--num-targets", args.num_targets,
+         "--max-tokens", "16384", "--results-json", results,
+         "--position-wise", args.out / kernel / "position-wise.csv"])
+    return json.loads(results.read_text())
 
 
 def table(results: dict, lengths) -> str:
-    rows = ["| kernel | " + " | ".join(f"L={n}" for n in lengths) + " |",
-            "|---|" + "---|" * len(lengths)]
+    rows = ["| kernel | protocol | " + " | ".join(f"L={n}" for n in lengths) + " |",
+            "|---|---|" + "---|" * len(lengths)]
     for kernel, records in results.items():
-        rows.append(f"| {kernel} | " + " | ".join(f"{r['ppl']:.2f}" for r in records) + " |")
+        for protocol in ("early-token-cursed", "last-token"):
+            ppl = {r["length"]: r["ppl"] for r in records if r["protocol"] == protocol}
+            rows.append(f"| {kernel} | {protocol} | " + " | ".join(f"{ppl[n]:.2f}" for n in lengths) + " |")
     return "\n".join(rows)
 
 
@@ -147,17 +152,19 @@ def main():
     missing = [f"wiki.{s}.tokens" for s in SPLITS if not (tokens_dir / f"wiki.{s}.tokens").is_file()]
     if missing:
         fail(f"{tokens_dir} lacks {', '.join(missing)}; " + NO_DATA.split(": ", 1)[1])
-    if any(n <= 0 for n in [args.train_length, args.updates, *args.eval_lengths]):
-        fail("--train-length, --updates and --eval-lengths must be positive")
+    if any(n <= 0 for n in [args.train_length, args.updates, args.num_targets, *args.eval_lengths]):
+        fail("--train-length, --updates, --num-targets and --eval-lengths must be positive")
     started = time.time()
     data_bin = args.data_bin or REPO / "data-bin" / tokens_dir.resolve().name
     preprocess(tokens_dir, data_bin, args.vocab_size)
     results = {}
     for kernel in KERNEL_ARCHS:
         checkpoint = train(args, data_bin, kernel)
-        stage(f"evaluating {kernel}: non-overlapping blocks of {', '.join(map(str, args.eval_lengths))} tokens")
-        results[kernel] = [evaluate(args, data_bin, checkpoint, n) for n in args.eval_lengths]
-    text = (f"Validation perplexity, non-overlapping (early-token-cursed), trained at L={args.train_length} "
+        stage(f"evaluating {kernel} at lengths {', '.join(map(str, args.eval_lengths))}: early-token-cursed "
+              f"(every token, non-overlapping blocks) and last-token ({args.num_targets} targets)")
+        results[kernel] = evaluate(args, data_bin, checkpoint, kernel)
+    text = (f"Validation perplexity (early-token-cursed: every token, non-overlapping blocks; last-token: "
+            f"the same {args.num_targets} targets after L-1 tokens), trained at L={args.train_length} "
             f"for {args.updates} updates of {args.max_tokens} tokens; {args.layers} layers, width {args.width}, "
             f"{args.heads} heads, {args.vocab_size or 'full'} vocabulary.\n\n" + table(results, args.eval_lengths))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -51,26 +51,16 @@ def test_none_kernel_with_token_positions_is_the_absolute_position_baseline(data
     assert state["cfg"]["model"]["no_token_positional_embeddings"] is False
 
 
-def test_user_dir_from_another_directory_names_the_installed_package(tmp_path):
-    """fairseq resolves `--user-dir kerple_fairseq` outside the repo to
-    <site-packages>/fairseq/../kerple_fairseq; with the package already imported (as kerple's own
-    scripts do) that must not be refused as 'not globally unique'."""
+@pytest.mark.parametrize("where", ["another directory", "the repository root"])
+def test_user_dir_after_the_plugin_was_imported(tmp_path, where):
+    """`--user-dir kerple_fairseq` resolves to the repository's folder from its root, and elsewhere
+    to <site-packages>/fairseq/../kerple_fairseq, the installed package. With the package already
+    imported (as kerple-eval-lm does), neither may be refused as 'not globally unique'."""
     script = (
         "import argparse, os, kerple_fairseq\n"
         "from fairseq import utils\n"
         "utils.import_user_module(argparse.Namespace(user_dir='kerple_fairseq'))\n"
         "print('resolved', os.path.realpath(kerple_fairseq.__path__[0]))\n"
     )
-    proc = run([sys.executable, "-c", script], cwd=tmp_path)
+    proc = run([sys.executable, "-c", script], cwd=tmp_path if where == "another directory" else REPO)
     assert "resolved" in proc.stdout
-
-
-def test_user_dir_from_the_repo_root_after_import():
-    script = (
-        "import argparse, kerple_fairseq\n"
-        "from fairseq import utils\n"
-        "utils.import_user_module(argparse.Namespace(user_dir='kerple_fairseq'))\n"
-        "print('ok')\n"
-    )
-    proc = run([sys.executable, "-c", script], cwd=REPO)
-    assert "ok" in proc.stdout

@@ -225,6 +225,7 @@ def evaluate(args, cfg) -> int:
 
 def cli_main(argv=None) -> None:
     argv = without_plugin_user_dir(list(sys.argv[1:] if argv is None else argv))
+    sys.argv[1:] = argv  # fairseq's get_parser also reads --user-dir from sys.argv
     parser = build_parser()
     args = options.parse_args_and_arch(parser, argv)
     cfg = convert_namespace_to_omegaconf(args)
