@@ -43,7 +43,7 @@ def parse_args():
     p.add_argument("--train-length", type=int, default=128, help="tokens per training sample")
     p.add_argument("--eval-lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048],
                    help="non-overlapping evaluation lengths")
-    p.add_argument("--num-targets", type=int, default=500, help="targets of the last-token protocol")
+    p.add_argument("--num-targets", type=int, default=200, help="targets of the last-token protocol")
     p.add_argument("--updates", type=int, default=500, help="training updates per model")
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per update")
     p.add_argument("--layers", type=int, default=2)
