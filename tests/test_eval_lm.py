@@ -200,3 +200,21 @@ def test_user_dir_naming_the_plugin_is_accepted(trained, data_bin, tmp_path):
     _, records = kerple_eval_lm(data_bin, ckpt(trained, "alibi"), "--user-dir", "kerple_fairseq",
                                 "--lengths", "64", tmp=tmp_path)
     assert records[0]["num_tokens"] > 0
+
+
+def test_position_wise_needs_the_early_token_cursed_protocol(trained, data_bin, tmp_path):
+    proc, _ = kerple_eval_lm(data_bin, ckpt(trained, "alibi"), "--protocol", "last-token",
+                             "--position-wise", tmp_path / "p.csv", check=False)
+    one_line_error(proc, "--position-wise reports the early-token-cursed blocks")
+
+
+def test_results_file_in_a_missing_directory_fails_before_scoring(trained, data_bin, tmp_path):
+    proc, _ = kerple_eval_lm(data_bin, ckpt(trained, "alibi"), "--results-json", tmp_path / "no" / "r.json",
+                             check=False)
+    one_line_error(proc, "does not exist")
+
+
+def test_bad_kernel_override_is_reported_as_such(trained, data_bin):
+    proc, _ = kerple_eval_lm(data_bin, ckpt(trained, "kerple_log"), "--model-overrides",
+                             "{'kernel_param_floor': 0.0}", check=False)
+    one_line_error(proc, "--kernel-param-floor must be in (0, 1)")

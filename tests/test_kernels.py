@@ -115,16 +115,32 @@ def test_constraints_hold_after_optimiser_steps_pushing_out_of_domain(name):
         if name == "kerple_power":
             assert (r2 <= 2.0).all()
         assert torch.isfinite(kernel(distances)).all()
+        assert all(torch.isfinite(p.grad).all() for p in kernel.parameters())
+    # the hostile steps did drive the parameters towards their bounds
+    assert kernel.r1.min() < 0.05
 
 
 def test_reference_initialisation_ranges():
     torch.manual_seed(0)
     log = build_kernel("kerple_log", 4096)
-    assert 0.0 < log.r1.min() and log.r1.max() < 2.0 and log.r2.max() < 1.0
+    assert log.r1.max() < 2.0 and log.r2.max() < 1.0
     assert 0.9 < log.r1.mean() < 1.1 and 0.4 < log.r2.mean() < 0.6
     power = build_kernel("kerple_power", 4096)
-    assert power.r1.max() < 1.0 and power.r2.max() < 2.0
+    assert power.r1.max() < 1.0
     assert 0.4 < power.r1.mean() < 0.6 and 0.9 < power.r2.mean() < 1.1
+
+
+def test_reparameterisation_round_trips_inside_the_domain():
+    from kerple_fairseq.kernels.constraints import bounded, bounded_inverse, positive, positive_inverse
+
+    values = torch.tensor([0.03, 0.5, 1.0, 1.9, 7.0], dtype=torch.float64)
+    torch.testing.assert_close(positive(positive_inverse(values, 0.01), 0.01), values)
+    inside = values[values < 1.98]
+    torch.testing.assert_close(bounded(bounded_inverse(inside, 0.01, 2.0), 0.01, 2.0), inside)
+    # at or beyond a bound: moved inside, never to an infinite raw value
+    edge = torch.tensor([0.0, 0.01, 2.0, 5.0], dtype=torch.float64)
+    assert torch.isfinite(positive_inverse(edge, 0.01)).all()
+    assert torch.isfinite(bounded_inverse(edge, 0.01, 2.0)).all()
 
 
 def test_unknown_kernel_is_a_clear_error():

@@ -100,10 +100,36 @@ def test_bias_is_built_once_per_forward_and_cached_while_frozen():
         model(tokens)
         model(tokens)
     assert len(calls) == 3, "frozen: built once, then cached"
+    # optimisers write through .data, invisible to version counters; the cache must still see it
+    model.decoder.attention_bias.kernel.r1_raw.data.add_(0.5)
     with torch.no_grad():
-        model.decoder.attention_bias.kernel.r1_raw.add_(0.5)
-        model(tokens)
+        cached = model(tokens)[0]
     assert len(calls) == 4, "a parameter write invalidates the cache"
+    model.decoder.attention_bias._frozen_cache.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(cached, model(tokens)[0], rtol=0, atol=0)
+    model.train()
+    model.eval()
+    with torch.no_grad():
+        model(tokens)
+    assert len(calls) == 6, "a train/eval switch (fairseq: every step and validation) drops the cache"
+
+
+def test_fairseq_optimizer_step_reaches_the_kernel_parameters():
+    from fairseq.optim.adam import FairseqAdam
+    from argparse import Namespace
+
+    torch.manual_seed(0)
+    model = tiny_model("kerple_power")
+    kernel = model.decoder.attention_bias.kernel
+    before = (kernel.r1.detach().clone(), kernel.r2.detach().clone())
+    optimizer = FairseqAdam(Namespace(lr=[0.1], adam_betas="(0.9, 0.98)", adam_eps=1e-8, weight_decay=0.0,
+                                      use_old_adam=False, fp16_adam_stats=False, tpu=False),
+                            list(model.parameters()))
+    model(random_tokens())[0].logsumexp(-1).mean().backward()
+    optimizer.step()
+    assert not torch.allclose(kernel.r1, before[0]) and not torch.allclose(kernel.r2, before[1])
+    assert (kernel.r1 > kernel.floor).all() and ((kernel.r2 > kernel.floor) & (kernel.r2 < 2.0)).all()
 
 
 def test_mask_is_per_head_not_per_batch_element():

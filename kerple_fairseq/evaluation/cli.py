@@ -22,6 +22,7 @@ from fairseq.data import data_utils
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.modules import LearnedPositionalEmbedding
 
+from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.evaluation import windows as W
 from kerple_fairseq.evaluation.scorer import WindowScorer
 
@@ -94,11 +95,16 @@ def load_model(cfg):
         raise EvalError(f"{data} is not a fairseq data-bin (no dict.txt); run fairseq-preprocess --only-source first")
     if not os.path.isfile(cfg.common_eval.path):
         raise EvalError(f"checkpoint {cfg.common_eval.path} does not exist")
-    task = tasks.setup_task(cfg.task)
     try:
         overrides = eval(cfg.common_eval.model_overrides)
+    except Exception as e:
+        raise EvalError(f"--model-overrides must be a Python dict literal: {e}") from e
+    task = tasks.setup_task(cfg.task)
+    try:
         models, _, task = checkpoint_utils.load_model_ensemble_and_task(
             [cfg.common_eval.path], arg_overrides=overrides, task=task)
+    except KernelConfigError as e:
+        raise EvalError(str(e)) from e
     except RuntimeError as e:
         if "size mismatch" in str(e):
             raise EvalError(
@@ -161,7 +167,21 @@ def format_table(records: List[Dict]) -> str:
     return "\n".join(lines)
 
 
+def check_arguments(args, cfg) -> None:
+    """Fail before any work on what would otherwise fail, or be ignored, after it."""
+    if cfg.task.sample_break_mode != "none" or cfg.task.add_bos_token:
+        raise EvalError("the protocols score fairseq's unbroken token stream: leave --sample-break-mode "
+                        "at none and --add-bos-token off")
+    for flag, path in (("--results-json", args.results_json), ("--position-wise", args.position_wise)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise EvalError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
+    if args.position_wise and "early-token-cursed" not in protocols_to_run(args):
+        raise EvalError("--position-wise reports the early-token-cursed blocks: use it with "
+                        "--protocol early-token-cursed or all")
+
+
 def evaluate(args, cfg) -> int:
+    check_arguments(args, cfg)
     model, task = load_model(cfg)
     use_cuda = torch.cuda.is_available() and not cfg.common.cpu
     if cfg.common.fp16:

@@ -36,9 +36,9 @@ class AlibiKernel(BiasKernel):
 
     def __init__(self, num_heads: int):
         super().__init__(num_heads)
-        slopes = torch.tensor(alibi_slopes(num_heads), dtype=torch.float32)
-        self.register_buffer("slopes", slopes, persistent=False)
+        # a plain list, not a buffer: model.half() must not round the slopes
+        self.slopes = alibi_slopes(num_heads)
 
     def forward(self, distance: Tensor) -> Tensor:
-        slopes = self.slopes.to(self.compute_dtype())
+        slopes = torch.tensor(self.slopes, dtype=self.compute_dtype(), device=distance.device)
         return -slopes[:, None] * distance.to(slopes.dtype)[None, :]

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from kerple_fairseq.kernels import BiasKernel
 
-FROZEN_CACHE_SIZE = 4
+FROZEN_CACHE_SIZE = 2
 
 
 class AttentionBias(nn.Module):
@@ -25,8 +25,8 @@ class AttentionBias(nn.Module):
     key ``s`` at ``j = s``: the queries are the last ``query_len`` positions,
     which covers full-sequence scoring (``query_len == key_len``) and
     incremental decoding (``query_len`` new tokens after a cache). The kernel
-    is evaluated once per distance ``0 .. key_len - 1`` in float32 and gathered
-    into the Toeplitz matrix, which is cast once to the attention dtype.
+    is evaluated once per distance ``0 .. key_len - 1`` in float32, cast once to
+    the attention dtype, and laid out as the Toeplitz matrix.
     """
 
     def __init__(self, kernel: BiasKernel):
@@ -34,10 +34,6 @@ class AttentionBias(nn.Module):
         self.kernel = kernel
         self._forward_memo: Optional[Dict[Tuple, Tensor]] = None
         self._frozen_cache: "OrderedDict[Tuple, Tensor]" = OrderedDict()
-
-    @property
-    def num_heads(self) -> int:
-        return self.kernel.num_heads
 
     @contextmanager
     def forward_scope(self):
@@ -68,19 +64,21 @@ class AttentionBias(nn.Module):
             raise ValueError(f"need 0 < query_len <= key_len, got {query_len} and {key_len}")
         distances = torch.arange(key_len, device=device, dtype=torch.float32)
         per_distance = self.kernel(distances)  # [heads, key_len], float32
-        query_pos = torch.arange(key_len - query_len, key_len, device=device)
-        offsets = query_pos[:, None] - torch.arange(key_len, device=device)[None, :]
-        bias = per_distance[:, offsets.clamp(min=0)]
-        bias = bias.masked_fill(offsets[None] < 0, float("-inf"))
-        return bias.to(dtype)
+        # line[k] is the value at distance d = k - (query_len - 1): -inf for the future, then B(0..key_len-1);
+        # cast once, then each query row is a reversed slice of it (one [heads, queries, keys] copy)
+        future = per_distance.new_full((per_distance.size(0), query_len - 1), float("-inf"))
+        line = torch.cat([future, per_distance], dim=1).to(dtype)
+        # row t, column s holds line[t + key_len - 1 - s]
+        return line.flip(-1).unfold(-1, key_len, 1).flip(-2)
 
     def _parameters_frozen(self) -> bool:
         return not (torch.is_grad_enabled() and any(p.requires_grad for p in self.kernel.parameters()))
 
     def _from_frozen_cache(self, key: Tuple) -> Tensor:
-        # parameter versions change whenever a value is written (optimizer step, load_state_dict)
-        versions = tuple((p.data_ptr(), p._version) for p in self.kernel.parameters())
-        cache_key = key + (versions,)
+        # keyed on the parameter values themselves: optimisers write through .data, which
+        # leaves no trace in a tensor's version counter, and there are only a few per head
+        values = tuple(tuple(p.detach().flatten().tolist()) for p in self.kernel.parameters())
+        cache_key = key + values
         mask = self._frozen_cache.get(cache_key)
         if mask is None:
             mask = self.build(*key)
@@ -90,6 +88,11 @@ class AttentionBias(nn.Module):
         else:
             self._frozen_cache.move_to_end(cache_key)
         return mask
+
+    def train(self, mode: bool = True):
+        # entering or leaving training (fairseq does so around every step and validation) drops the cache
+        self._frozen_cache.clear()
+        return super().train(mode)
 
     def _apply(self, fn, *args, **kwargs):
         # moving or casting the module invalidates cached tensors

@@ -75,9 +75,9 @@ class KernelBiasedSelfAttention(MultiheadAttention):
 
         scores = torch.matmul(q, k.transpose(-1, -2))  # [B, H, T, S]
         if attn_mask is not None:
-            scores = scores + attn_mask.to(scores.dtype)  # [T, S] or [H, T, S], broadcast
+            scores += attn_mask.to(scores.dtype)  # [T, S] or [H, T, S], broadcast, in place
         if key_padding_mask is not None:
-            scores = scores.masked_fill(key_padding_mask.view(bsz, 1, 1, src_len).to(torch.bool), float("-inf"))
+            scores.masked_fill_(key_padding_mask.view(bsz, 1, 1, src_len).to(torch.bool), float("-inf"))
         if before_softmax:
             return scores.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
 
