@@ -12,6 +12,7 @@ import csv
 import json
 import math
 import os
+import pickle
 import sys
 from typing import Dict, List
 
@@ -112,7 +113,7 @@ def load_model(cfg):
                 "checkpoint's: evaluate on the data-bin the model was trained with, or preprocess with "
                 "fairseq-preprocess --srcdict <its dict.txt>") from e
         raise EvalError(f"cannot load checkpoint {cfg.common_eval.path}: {str(e).splitlines()[0]}") from e
-    except (EOFError, OSError, ValueError, KeyError, AttributeError, __import__("pickle").UnpicklingError) as e:
+    except (EOFError, OSError, ValueError, KeyError, AttributeError, pickle.UnpicklingError) as e:
         raise EvalError(f"cannot read checkpoint {cfg.common_eval.path} ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else 'truncated file'}); is it a complete fairseq checkpoint?") from e
     if len(models) != 1:
