@@ -76,7 +76,6 @@ def run(cmd, log=None):
     if proc.returncode != 0:
         sys.stderr.write("".join(lines[-30:]))
         fail(f"{Path(str(cmd[0])).name} exited with {proc.returncode}")
-    return "".join(lines)
 
 
 def preprocess(tokens_dir: Path, dest: Path, vocab_size: int):

@@ -92,7 +92,7 @@ def without_plugin_user_dir(argv: List[str]) -> List[str]:
 
 def load_model(cfg):
     data = cfg.task.data
-    if not os.path.isfile(os.path.join(data.split(os.pathsep)[0], "dict.txt")):
+    if not os.path.isfile(os.path.join(utils.split_paths(data)[0], "dict.txt")):
         raise EvalError(f"{data} is not a fairseq data-bin (no dict.txt); run fairseq-preprocess --only-source first")
     if not os.path.isfile(cfg.common_eval.path):
         raise EvalError(f"checkpoint {cfg.common_eval.path} does not exist")
