@@ -1,9 +1,8 @@
 """kerple_fairseq: a fairseq ``--user-dir`` plugin of positional attention-bias kernels.
 
-Importing the package registers the ``transformer_lm_kerple`` model and its
-architectures (``transformer_lm_kerple``, ``transformer_lm_kerple_wiki103``,
-``transformer_lm_alibi``, ``transformer_lm_alibi_wiki103``) and every kernel in
-:mod:`kerple_fairseq.kernels`.
+Importing the package registers the ``kerple_lm`` model and its architectures
+(``transformer_lm_kerple``, ``transformer_lm_alibi``, ``transformer_lm_rotary``,
+each also as ``..._wiki103``) and every kernel in :mod:`kerple_fairseq.kernels`.
 """
 
 import os

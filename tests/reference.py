@@ -20,18 +20,50 @@ def alibi_slopes_reference(num_heads):
     return slopes + extra
 
 
-def bias_matrix(num_heads, length, fn):
-    """[H, L, L] with fn(h, d) for j <= i and -inf above the diagonal, one entry at a time."""
-    out = np.full((num_heads, length, length), -np.inf, dtype=np.float64)
+def matrix(num_heads, length, fn, future=-np.inf):
+    """[H, L, L] with fn(h, d) for j <= i and `future` above the diagonal, one entry at a time
+    (fn evaluated once per head and distance)."""
+    values = {}
+    out = np.full((num_heads, length, length), future, dtype=np.float64)
     for h in range(num_heads):
         for i in range(length):
             for j in range(i + 1):
-                out[h, i, j] = fn(h, i - j)
+                if (h, i - j) not in values:
+                    values[h, i - j] = fn(h, i - j)
+                out[h, i, j] = values[h, i - j]
     return out
+
+
+def bias_matrix(num_heads, length, fn):
+    return matrix(num_heads, length, fn)
+
+
+def weight_matrix(num_heads, length, fn):
+    """Weights below and on the diagonal; 0 for future keys (they are masked anyway)."""
+    return matrix(num_heads, length, fn, future=0.0)
+
+
+def power(d, p):
+    return d ** p if d > 0 else 0.0
+
+
+def windowed(fn, window):
+    return lambda h, d: fn(h, d) if d < window else -math.inf
 
 
 def alibi(slopes):
     return lambda h, d: -slopes[h] * d
+
+
+def alibi_rf(slopes, rho, decay):
+    def fade(h, d):
+        if decay == "exponential":
+            return math.exp(-d / rho[h])
+        if decay == "gaussian":
+            return math.exp(-(d * d) / (2.0 * rho[h] ** 2))
+        return rho[h] / (rho[h] + d)
+
+    return lambda h, d: -slopes[h] * d * fade(h, d)
 
 
 def kerple_log(r1, r2):
@@ -39,7 +71,57 @@ def kerple_log(r1, r2):
 
 
 def kerple_power(r1, r2):
-    return lambda h, d: -r1[h] * (d ** r2[h]) if d > 0 else 0.0
+    return lambda h, d: -r1[h] * power(d, r2[h])
+
+
+def kerple_log3(r1, r2, r3):
+    return lambda h, d: -r1[h] * math.log(1.0 + r2[h] * power(d, r3[h]))
+
+
+def gauss_bias(r1, r2, r3):
+    return lambda h, d: r1[h] * math.exp(-r2[h] * power(d, r3[h]))
+
+
+def gauss_weight(r1, r2):
+    return lambda h, d: math.exp(-r1[h] * power(d, r2[h]))
+
+
+def t5_bucket(d, num_buckets=32, max_distance=128):
+    """Raffel et al.'s causal bucket: exact below num_buckets/2, then logarithmic to max_distance."""
+    exact = num_buckets // 2
+    if d < exact:
+        return d
+    return min(num_buckets - 1, exact + int(math.floor(math.log(d / exact) / math.log(max_distance / exact)
+                                                       * (num_buckets - exact))))
+
+
+def t5(table):
+    return lambda h, d: table[h][t5_bucket(d)]
+
+
+def sandwich_value(d, dim):
+    return sum(math.cos(d / 10000.0 ** (2.0 * k / dim)) for k in range(dim // 2)) - dim / 2.0
+
+
+def sandwich(num_heads, dim):
+    return lambda h, d: sandwich_value(d, dim) / (8.0 * (h + 1) / num_heads)
+
+
+def sandwich_fit(num_heads, dim, points):
+    """numpy least squares of y = -a log(1 + d) + b to each head's Sandwich curve at d = 0..points-1."""
+    curve = sandwich(num_heads, dim)
+    d = np.arange(points, dtype=np.float64)
+    design = np.stack([-np.log1p(d), np.ones(points)], axis=1)
+    fits = []
+    for h in range(num_heads):
+        y = np.array([curve(h, x) for x in range(points)])
+        fits.append(np.linalg.lstsq(design, y, rcond=None)[0])
+    return fits
+
+
+def sandwich_smoothed(num_heads, dim, points):
+    fits = sandwich_fit(num_heads, dim, points)
+    return lambda h, d: -fits[h][0] * math.log(1.0 + d) + fits[h][1]
 
 
 def no_bias():

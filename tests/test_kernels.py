@@ -1,6 +1,8 @@
-"""Each kernel's bias against an independent float64 loop, gradients, constraints."""
+"""Each kernel's bias (and weight) against an independent float64 loop, gradients, constraints."""
 
+import argparse
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -9,51 +11,160 @@ import torch
 from kerple_fairseq import KernelConfigError
 from kerple_fairseq.kernels import KERNELS, build_kernel, kernel_names
 from kerple_fairseq.kernels.alibi import alibi_slopes
+from kerple_fairseq.kernels.learnable import LearnableKernel
 from kerple_fairseq.models.attention_bias import AttentionBias
 
 import reference
 
 HEADS = [8, 12, 16]
 LENGTHS = [1, 5, 64, 300]
-LEARNABLE = ["kerple_log", "kerple_power"]
+WINDOW = 7  # the window kernel's --attn-window in these tests
+# kernel name -> options other than the defaults that get their own run
+VARIANTS = {
+    "alibi": [{}, {"alibi_shift": 2.0}, {"alibi_equal_slope": 3.0}],
+    "alibi_rf": [{}, {"alibi_rf_decay": "gaussian", "alibi_rf_rho": 9.0},
+                 {"alibi_rf_decay": "reciprocal", "alibi_rf_rho": 4.0, "alibi_rf_learnable_rho": True},
+                 {"alibi_rf_learnable_rho": True, "alibi_rf_rho": 20.0, "alibi_shift": -1.0}],
+    "sandwich": [{}, {"sandwich_dim": 16}],
+    "sandwich_smoothed": [{}, {"sandwich_dim": 32, "sandwich_fit_distances": 200}],
+}
+CASES = [(name, options) for name in sorted(KERNELS) for options in VARIANTS.get(name, [{}])]
+WEIGHT_KERNELS = sorted(name for name, cls in KERNELS.items() if cls.has_weight)
 
 
-def reference_fn(kernel):
+def config(**options):
+    return argparse.Namespace(**options)
+
+
+def make(name, heads, options=None):
+    return build_kernel(name, heads, config(**(options or {})))
+
+
+def learnable_cases():
+    return [(n, o) for n, o in CASES if list(make(n, 2, o).parameters())]
+
+
+def case_id(case):
+    name, options = case
+    return name + "".join(f"-{k}={v}" for k, v in options.items())
+
+
+def values(kernel, name):
     with torch.no_grad():
-        if kernel.name == "alibi":
-            return reference.alibi(reference.alibi_slopes_reference(kernel.num_heads))
-        if kernel.name == "none":
-            return reference.no_bias()
-        r1 = kernel.r1.double().tolist()
-        r2 = kernel.r2.double().tolist()
-    return {"kerple_log": reference.kerple_log, "kerple_power": reference.kerple_power}[kernel.name](r1, r2)
+        return kernel.value(name).double().tolist()
 
 
-def test_registry_lists_the_issue_kernels():
-    assert {"alibi", "kerple_log", "kerple_power", "none"} <= set(kernel_names())
+def reference_functions(kernel, options):
+    """(bias, weight) functions of (head, distance) from SPEC's formulas; weight is None for bias kernels."""
+    name, heads = kernel.name, kernel.num_heads
+    slopes = reference.alibi_slopes_reference(heads)
+    if options.get("alibi_equal_slope") is not None:
+        slopes = [2.0 ** -options["alibi_equal_slope"]] * heads
+    slopes = [m * 2.0 ** -options.get("alibi_shift", 0.0) for m in slopes]
+    v = lambda p: values(kernel, p)  # noqa: E731
+    if name == "alibi":
+        return reference.alibi(slopes), None
+    if name == "alibi_rf":
+        rho = v("rho") if options.get("alibi_rf_learnable_rho") else [options.get("alibi_rf_rho", 512.0)] * heads
+        return reference.alibi_rf(slopes, rho, options.get("alibi_rf_decay", "exponential")), None
+    if name in ("none", "window"):
+        return reference.no_bias(), None
+    if name == "kerple_log":
+        return reference.kerple_log(v("r1"), v("r2")), None
+    if name == "kerple_power":
+        return reference.kerple_power(v("r1"), v("r2")), None
+    if name == "kerple_log3":
+        return reference.kerple_log3(v("r1"), v("r2"), v("r3")), None
+    if name == "kerple_bias_wht":
+        return reference.kerple_power(v("r1"), v("r2")), reference.gauss_weight(v("r3"), v("r4"))
+    if name == "gauss_bias2":
+        return reference.gauss_bias(v("r1"), v("r2"), [2.0] * heads), None
+    if name == "gauss_bias3":
+        return reference.gauss_bias(v("r1"), v("r2"), v("r3")), None
+    if name == "gauss_wht1":
+        return reference.no_bias(), reference.gauss_weight(v("r1"), [2.0] * heads)
+    if name == "gauss_wht2":
+        return reference.no_bias(), reference.gauss_weight(v("r1"), v("r2"))
+    if name == "t5":
+        return reference.t5(kernel.table.detach().double().tolist()), None
+    dim = options.get("sandwich_dim", 128)
+    if name == "sandwich":
+        return reference.sandwich(heads, dim), None
+    if name == "sandwich_smoothed":
+        return reference.sandwich_smoothed(heads, dim, options.get("sandwich_fit_distances", 50)), None
+    raise AssertionError(f"no reference for kernel {name}: add one to tests/reference.py")
 
 
-@pytest.mark.parametrize("name", sorted(KERNELS))
+def attention_bias(kernel, window=0):
+    return AttentionBias(kernel, window=window or (WINDOW if kernel.requires_window else 0))
+
+
+def assert_matches(actual, expected, rtol=2e-6, atol=1e-5):
+    actual = actual.detach().numpy()
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(np.isfinite(actual), finite)
+    np.testing.assert_array_equal(actual[~finite], expected[~finite])
+    np.testing.assert_allclose(actual[finite], expected[finite], rtol=rtol, atol=atol)
+
+
+def test_registry_lists_every_kernel_of_the_spec():
+    assert set(kernel_names()) == {
+        "alibi", "alibi_rf", "gauss_bias2", "gauss_bias3", "gauss_wht1", "gauss_wht2", "kerple_bias_wht",
+        "kerple_log", "kerple_log3", "kerple_power", "none", "sandwich", "sandwich_smoothed", "t5", "window"}
+    assert WEIGHT_KERNELS == ["gauss_wht1", "gauss_wht2", "kerple_bias_wht"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("length", LENGTHS)
-def test_bias_matches_float64_reference(name, heads, length):
+def test_bias_matches_float64_reference(case, heads, length):
+    name, options = case
     torch.manual_seed(heads * 1000 + length)
-    kernel = build_kernel(name, heads)
-    mask = AttentionBias(kernel).build(length, length, torch.float32, "cpu").detach()
+    kernel = make(name, heads, options)
+    bias = attention_bias(kernel)
+    mask = bias.build(length, length, torch.float32, "cpu")
     assert mask.dtype == torch.float32 and mask.shape == (heads, length, length)
-    expected = reference.bias_matrix(heads, length, reference_fn(kernel))
-    finite = np.isfinite(expected)
-    np.testing.assert_array_equal(np.isfinite(mask.numpy()), finite)
-    np.testing.assert_allclose(mask.numpy()[finite], expected[finite], rtol=2e-6, atol=1e-5)
+    bias_fn, _ = reference_functions(kernel, options)
+    if bias.window:
+        bias_fn = reference.windowed(bias_fn, bias.window)
+    assert_matches(mask, reference.bias_matrix(heads, length, bias_fn))
 
 
-@pytest.mark.parametrize("name", sorted(KERNELS))
-def test_incremental_rows_are_the_last_rows_of_the_full_bias(name):
-    kernel = build_kernel(name, 8)
-    bias = AttentionBias(kernel)
+@pytest.mark.parametrize("name", WEIGHT_KERNELS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("length", LENGTHS)
+def test_weight_matches_float64_reference(name, heads, length):
+    torch.manual_seed(heads * 1000 + length)
+    kernel = make(name, heads)
+    weight = AttentionBias(kernel).build_weight(length, length, torch.float32, "cpu")
+    assert weight.shape == (heads, length, length)
+    _, weight_fn = reference_functions(kernel, {})
+    assert_matches(weight, reference.weight_matrix(heads, length, weight_fn))
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_window_composes_with_every_kernel(case):
+    name, options = case
+    torch.manual_seed(3)
+    kernel = make(name, 8, options)
+    mask = AttentionBias(kernel, window=5).build(40, 40, torch.float32, "cpu")
+    bias_fn, _ = reference_functions(kernel, options)
+    assert_matches(mask, reference.bias_matrix(8, 40, reference.windowed(bias_fn, 5)))
+    # each query sees exactly min(i + 1, 5) keys, itself included
+    assert (torch.isfinite(mask).sum(-1) == torch.arange(1, 41).clamp(max=5)).all()
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_incremental_rows_are_the_last_rows_of_the_full_bias(case):
+    name, options = case
+    kernel = make(name, 8, options)
+    bias = attention_bias(kernel)
     full = bias.build(40, 40, torch.float32, "cpu")
     torch.testing.assert_close(bias.build(1, 40, torch.float32, "cpu"), full[:, -1:, :])
     torch.testing.assert_close(bias.build(7, 40, torch.float32, "cpu"), full[:, -7:, :])
+    if kernel.has_weight:
+        full = bias.build_weight(40, 40, torch.float32, "cpu")
+        torch.testing.assert_close(bias.build_weight(7, 40, torch.float32, "cpu"), full[:, -7:, :])
 
 
 def test_alibi_slopes_for_8_heads_are_halves_to_1_over_256():
@@ -71,63 +182,120 @@ def test_alibi_slopes_for_12_heads():
     np.testing.assert_allclose(alibi_slopes(12), expected, rtol=1e-15)
 
 
-@pytest.mark.parametrize("name", LEARNABLE)
-def test_gradients_of_learnable_parameters(name):
+def test_alibi_shift_and_equal_slope_as_in_sandwich_section_4():
+    assert make("alibi", 8, {"alibi_shift": 2.0}).slopes == [2.0 ** -(h + 2) for h in range(1, 9)]
+    assert make("alibi", 8, {"alibi_shift": -1.0}).slopes == [2.0 ** -(h - 1) for h in range(1, 9)]
+    assert make("alibi", 12, {"alibi_equal_slope": 0.0}).slopes == [1.0] * 12
+    with pytest.raises(KernelConfigError, match="--alibi-shift and --alibi-equal-slope"):
+        make("alibi", 8, {"alibi_shift": 1.0, "alibi_equal_slope": 2.0})
+
+
+def test_t5_buckets_by_hand():
+    """Exact below 16, 16 at d = 16 and 17, logarithmic, 31 from 128 on (T5's causal bucketing)."""
+    kernel = make("t5", 2)
+    with torch.no_grad():
+        kernel.table.copy_(torch.arange(64, dtype=torch.float32).view(2, 32))
+    distances = torch.tensor([0, 1, 15, 16, 17, 23, 24, 64, 127, 128, 5000], dtype=torch.float32)
+    expected = [0, 1, 15, 16, 16, 18, 19, 26, 31, 31, 31]
+    assert kernel(distances)[0].tolist() == expected
+    assert kernel(distances)[1].tolist() == [32 + b for b in expected]
+    assert [reference.t5_bucket(int(d)) for d in distances] == expected
+
+
+def test_sandwich_is_zero_at_distance_zero_and_compressed_per_head():
+    bias = make("sandwich", 8)(torch.arange(0, 100, dtype=torch.float32))
+    assert bias[:, 0].abs().max() == 0
+    # c_h = 8h/H: head h's curve is head 1's divided by h
+    torch.testing.assert_close(bias[3], bias[0] / 4)
+
+
+def test_sandwich_smoothed_reproduces_the_papers_fit():
+    """Sandwich Fig. 9: c = 8, D = 128, a whole 8192-token row: y = -0.825 log(1 + d) - 0.8."""
+    kernel = make("sandwich_smoothed", 8, {"sandwich_fit_distances": 8192})
+    a, b = kernel.coefficients[-1]  # head 8 of 8: c = 8
+    assert abs(a - 0.825) < 0.02 and abs(b + 0.8) < 0.02, (a, b)
+    # the implementation's default, the 50 nearest distances (the paper's footnote 7), fits them closer
+    a50, b50 = make("sandwich_smoothed", 8).coefficients[-1]
+    np.testing.assert_allclose([a50, b50], reference.sandwich_fit(8, 128, 50)[-1], rtol=1e-9, atol=1e-12)
+    assert a50 > a
+
+
+class BiasAndWeight(torch.nn.Module):
+    """A kernel's bias, with its weight stacked below for weight kernels (one output to gradcheck)."""
+
+    def __init__(self, kernel):
+        super().__init__()
+        self.kernel = kernel
+
+    def forward(self, distances):
+        bias = self.kernel(distances)
+        return torch.cat([bias, self.kernel.weight(distances)]) if self.kernel.has_weight else bias
+
+
+@pytest.mark.parametrize("case", learnable_cases(), ids=case_id)
+def test_gradients_of_learnable_parameters(case):
+    name, options = case
     torch.manual_seed(0)
-    kernel = build_kernel(name, 4).double()
+    both = BiasAndWeight(make(name, 4, options)).double()
     distances = torch.arange(0, 50, dtype=torch.float64)
-    inputs = tuple(p.detach().clone().requires_grad_(True) for p in kernel.parameters())
-    assert inputs, "a learnable kernel has parameters"
-    assert torch.autograd.gradcheck(lambda *v: _functional(kernel, distances, v), inputs)
+    names = [n for n, _ in both.named_parameters()]
+    inputs = tuple(p.detach().clone().requires_grad_(True) for p in both.parameters())
+    assert torch.autograd.gradcheck(
+        lambda *raw: torch.func.functional_call(both, dict(zip(names, raw)), (distances,)), inputs)
 
 
-def _functional(kernel, distances, values):
-    """The kernel's bias as a function of its raw parameters (for gradcheck)."""
-    names = [n for n, _ in kernel.named_parameters()]
-    return torch.func.functional_call(kernel, dict(zip(names, values)), (distances,))
-
-
-@pytest.mark.parametrize("name", LEARNABLE)
-def test_parameters_are_per_head_and_bias_has_no_nan_gradient_at_zero_distance(name):
-    kernel = build_kernel(name, 12)
+@pytest.mark.parametrize("case", learnable_cases(), ids=case_id)
+def test_parameters_are_per_head_and_gradients_are_finite_at_zero_distance(case):
+    name, options = case
+    kernel = make(name, 12, options)
     for p in kernel.parameters():
-        assert p.shape == (12,)
-    out = kernel(torch.arange(0, 10, dtype=torch.float32))
-    out.sum().backward()
+        assert p.shape[0] == 12
+    distances = torch.arange(0, 10, dtype=torch.float32)
+    out = kernel(distances).sum() + (kernel.weight(distances).sum() if kernel.has_weight else 0)
+    out.backward()
     for p in kernel.parameters():
-        assert torch.isfinite(p.grad).all()
+        assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("name", LEARNABLE)
-def test_constraints_hold_after_optimiser_steps_pushing_out_of_domain(name):
-    torch.manual_seed(1)
-    kernel = build_kernel(name, 8)
-    opt = torch.optim.SGD(kernel.parameters(), lr=1e3)
+def constrained(kernel):
+    return isinstance(kernel, LearnableKernel) and kernel.upper_bounds
+
+
+@pytest.mark.parametrize("case", [c for c in learnable_cases() if constrained(make(c[0], 2, c[1]))], ids=case_id)
+def test_constraints_hold_after_optimiser_steps_pushing_out_of_domain(case):
+    name, options = case
     distances = torch.arange(0, 100, dtype=torch.float32)
-    for step in range(5):
-        opt.zero_grad()
-        # push r1 and r2 towards -inf and +inf alternately
-        sign = 1.0 if step % 2 == 0 else -1.0
-        (sign * kernel(distances).sum()).backward()
-        opt.step()
-        r1, r2 = kernel.r1, kernel.r2
-        assert (r1 >= kernel.floor).all() and (r2 >= kernel.floor).all()
-        if name == "kerple_power":
-            assert (r2 <= 2.0).all()
-        assert torch.isfinite(kernel(distances)).all()
-        assert all(torch.isfinite(p.grad).all() for p in kernel.parameters())
-    # the hostile steps did drive the parameters towards their bounds
-    assert kernel.r1.min() < 0.05
+    lowest = math.inf
+    for sign in (1.0, -1.0):  # minimise, then (from a fresh kernel) maximise the bias and weight
+        torch.manual_seed(1)
+        both = BiasAndWeight(make(name, 8, options))
+        kernel = both.kernel
+        opt = torch.optim.SGD(kernel.parameters(), lr=1e3)
+        for step in range(3):
+            opt.zero_grad()
+            (sign * both(distances).sum()).backward()
+            opt.step()
+            assert all(torch.isfinite(p.grad).all() for p in kernel.parameters())
+            for p, high in kernel.upper_bounds.items():
+                value = kernel.value(p)
+                assert (value >= kernel.floor).all() and (value <= high).all(), (p, value)
+                lowest = min(lowest, value.min().item())
+            assert torch.isfinite(both(distances)).all()
+    # the hostile steps did drive some parameter to its lower bound
+    assert lowest < 0.05
 
 
 def test_reference_initialisation_ranges():
     torch.manual_seed(0)
-    log = build_kernel("kerple_log", 4096)
-    assert log.r1.max() < 2.0 and log.r2.max() < 1.0
-    assert 0.9 < log.r1.mean() < 1.1 and 0.4 < log.r2.mean() < 0.6
-    power = build_kernel("kerple_power", 4096)
-    assert power.r1.max() < 1.0
-    assert 0.4 < power.r1.mean() < 0.6 and 0.9 < power.r2.mean() < 1.1
+    log = make("kerple_log", 4096)
+    assert log.value("r1").max() < 2.0 and log.value("r2").max() < 1.0
+    assert 0.9 < log.value("r1").mean() < 1.1 and 0.4 < log.value("r2").mean() < 0.6
+    power = make("kerple_power", 4096)
+    assert power.value("r1").max() < 1.0
+    assert 0.4 < power.value("r1").mean() < 0.6 and 0.9 < power.value("r2").mean() < 1.1
+    torch.testing.assert_close(make("kerple_log3", 16).value("r3"), torch.ones(16))
+    rf = make("alibi_rf", 8, {"alibi_rf_learnable_rho": True, "alibi_rf_rho": 300.0})
+    torch.testing.assert_close(rf.value("rho"), torch.full((8,), 300.0))
 
 
 def test_reparameterisation_round_trips_inside_the_domain():
@@ -148,22 +316,35 @@ def test_unknown_kernel_is_a_clear_error():
         build_kernel("kerple_logg", 8)
 
 
-@pytest.mark.parametrize("floor", [0.0, -1.0, 1.0])
-def test_out_of_range_option_is_a_clear_error(floor):
-    with pytest.raises(KernelConfigError, match="--kernel-param-floor must be in"):
-        build_kernel("kerple_log", 8, argparse_namespace(kernel_param_floor=floor))
+@pytest.mark.parametrize("name, options, message", [
+    ("kerple_log", {"kernel_param_floor": 0.0}, "--kernel-param-floor must be in"),
+    ("kerple_bias_wht", {"kernel_param_floor": -1.0}, "--kernel-param-floor must be in"),
+    ("gauss_wht1", {"kernel_param_floor": 1.0}, "--kernel-param-floor must be in"),
+    ("sandwich", {"sandwich_dim": 127}, "--sandwich-dim must be an even number"),
+    ("sandwich_smoothed", {"sandwich_fit_distances": 1}, "--sandwich-fit-distances must be at least 2"),
+    ("t5", {"t5_num_buckets": 1}, "--t5-num-buckets must be at least 2"),
+    ("t5", {"t5_max_distance": 16}, "--t5-max-distance must exceed half"),
+    ("alibi_rf", {"alibi_rf_rho": 0.0}, "--alibi-rf-rho must be a finite number above"),
+    ("alibi_rf", {"alibi_rf_decay": "cubic"}, "--alibi-rf-decay must be one of"),
+    ("alibi", {"alibi_shift": math.inf}, "--alibi-shift must be a finite number"),
+])
+def test_out_of_range_option_is_a_clear_error(name, options, message):
+    with pytest.raises(KernelConfigError, match=message):
+        make(name, 8, options)
 
 
-def argparse_namespace(**kwargs):
-    import argparse
-
-    return argparse.Namespace(**kwargs)
+def test_window_needs_a_positive_window():
+    with pytest.raises(KernelConfigError, match="--bias-kernel window needs --attn-window W > 0"):
+        AttentionBias(make("window", 8))
+    with pytest.raises(KernelConfigError, match="--attn-window must be >= 0"):
+        AttentionBias(make("alibi", 8), window=-1)
 
 
 def test_every_kernel_documents_formula_and_paper_section():
     for name, cls in KERNELS.items():
         doc = cls.__doc__ or ""
-        assert "B_h(d)" in doc and "§" in doc or name == "none" and "B_h(d) = 0" in doc, name
+        assert "B_h(d)" in doc or "W_h(d)" in doc, name
+        assert "§" in doc or "Appendix" in doc or name == "none", name
         if cls.options is not None:
             for f in dataclasses.fields(cls.options):
                 assert f.metadata.get("help"), f"{name}: option {f.name} has no help"

@@ -1,5 +1,6 @@
 """The decoder: bias on every decoding path, built once per forward, shared parameters."""
 
+import numpy as np
 import pytest
 import torch
 from fairseq.models.transformer_lm import TransformerLanguageModel, base_lm_architecture
@@ -7,6 +8,7 @@ from fairseq.models.transformer_lm import TransformerLanguageModel, base_lm_arch
 from kerple_fairseq.kernels import KERNELS
 
 from helpers import TINY, VOCAB, TinyTask, parse_model_args, tiny_model
+from kerple_fairseq.models.transformer_lm_kerple import KernelBiasedLanguageModel
 
 
 def random_tokens(batch=3, length=24, seed=0):
@@ -34,10 +36,14 @@ def randomise_kernel(model):
             p.normal_(0.0, 1.0)
 
 
+def window_flags(kernel):
+    return ["--attn-window", "6"] if KERNELS[kernel].requires_window else []
+
+
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_incremental_decoding_equals_full_sequence_scoring(kernel):
     torch.manual_seed(0)
-    model = tiny_model(kernel).eval()
+    model = tiny_model(kernel, *window_flags(kernel)).eval()
     randomise_kernel(model)
     tokens = random_tokens()
     with torch.no_grad():
@@ -46,11 +52,31 @@ def test_incremental_decoding_equals_full_sequence_scoring(kernel):
     assert (full - step).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("kernel", ["alibi", "kerple_log"])
-def test_the_bias_changes_what_the_model_computes(kernel):
-    # guards the test above: without the bias on the incremental path, the two would differ
+@pytest.mark.parametrize("arch, kernel, flags", [
+    ("transformer_lm_kerple", "kerple_bias_wht", ["--attn-window", "5"]),
+    ("transformer_lm_rotary", "none", []),
+    ("transformer_lm_rotary", "window", ["--attn-window", "5"]),
+    ("transformer_lm_rotary", "none", ["--attn-window", "9"]),
+], ids=["weight-and-window", "rotary", "rotary-window-kernel", "super-baseline"])
+def test_incremental_decoding_equals_full_scoring_for_windows_and_rotary(arch, kernel, flags):
     torch.manual_seed(0)
-    model = tiny_model(kernel).eval()
+    model = tiny_model(kernel, *flags, arch=arch).eval()
+    randomise_kernel(model)
+    tokens = random_tokens()
+    with torch.no_grad():
+        full = full_log_probs(model, tokens)
+        step = incremental_log_probs(model, tokens)
+    assert (full - step).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("kernel, flags", [
+    ("alibi", []), ("kerple_log", []), ("gauss_wht1", []), ("none", ["--attn-window", "4"]),
+    ("none", ["--rotary-embeddings"])])
+def test_the_bias_changes_what_the_model_computes(kernel, flags):
+    # guards the tests above: without the bias, weight, window or rotation on the incremental
+    # path, the two would differ
+    torch.manual_seed(0)
+    model = tiny_model(kernel, *flags).eval()
     randomise_kernel(model)
     nope = tiny_model("none").eval()
     nope.load_state_dict(model.state_dict(), strict=False)
@@ -122,14 +148,15 @@ def test_fairseq_optimizer_step_reaches_the_kernel_parameters():
     torch.manual_seed(0)
     model = tiny_model("kerple_power")
     kernel = model.decoder.attention_bias.kernel
-    before = (kernel.r1.detach().clone(), kernel.r2.detach().clone())
+    before = (kernel.value("r1").detach().clone(), kernel.value("r2").detach().clone())
     optimizer = FairseqAdam(Namespace(lr=[0.1], adam_betas="(0.9, 0.98)", adam_eps=1e-8, weight_decay=0.0,
                                       use_old_adam=False, fp16_adam_stats=False, tpu=False),
                             list(model.parameters()))
     model(random_tokens())[0].logsumexp(-1).mean().backward()
     optimizer.step()
-    assert not torch.allclose(kernel.r1, before[0]) and not torch.allclose(kernel.r2, before[1])
-    assert (kernel.r1 > kernel.floor).all() and ((kernel.r2 > kernel.floor) & (kernel.r2 < 2.0)).all()
+    r1, r2 = kernel.value("r1"), kernel.value("r2")
+    assert not torch.allclose(r1, before[0]) and not torch.allclose(r2, before[1])
+    assert (r1 > kernel.floor).all() and ((r2 > kernel.floor) & (r2 < 2.0)).all()
 
 
 def test_mask_is_per_head_not_per_batch_element():
@@ -167,3 +194,60 @@ def test_half_precision_forward_is_finite_at_long_length(kernel, dtype):
     with torch.no_grad():
         logits, _ = model(tokens)
     assert torch.isfinite(logits).all()
+
+
+def test_rotary_matches_complex_rotation_and_depends_on_relative_position_only():
+    from kerple_fairseq.models.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    head_dim, length = 16, 40
+    x = torch.randn(2, 3, length, head_dim, dtype=torch.float64)
+    rotated = RotaryEmbedding(head_dim)(x, offset=100).numpy()
+    # RoFormer: the pair (x_k, x_{k+D/2}) as the complex number x_k + i x_{k+D/2}, times e^{i m theta_k}
+    half = head_dim // 2
+    theta = 10000.0 ** (-2.0 * np.arange(half) / head_dim)
+    m = np.arange(100, 100 + length)[:, None]
+    z = (x[..., :half].numpy() + 1j * x[..., half:].numpy()) * np.exp(1j * m * theta)
+    np.testing.assert_allclose(rotated, np.concatenate([z.real, z.imag], axis=-1), rtol=1e-10, atol=1e-10)
+    # q_m . k_n depends on m - n only: shifting both positions leaves the scores unchanged
+    rope = RotaryEmbedding(head_dim)
+    q, k = torch.randn(length, head_dim, dtype=torch.float64), torch.randn(length, head_dim, dtype=torch.float64)
+    scores = rope(q) @ rope(k).T
+    torch.testing.assert_close(rope(q, offset=777) @ rope(k, offset=777).T, scores)
+
+
+@pytest.mark.parametrize("arch, flags, message", [
+    ("transformer_lm_alibi", ["--rotary-embeddings"], "already encodes position, but rotary embeddings"),
+    ("transformer_lm_rotary", ["--token-positional-embeddings"], "two position encodings"),
+    ("transformer_lm_kerple", ["--bias-kernel", "window"], "needs --attn-window W > 0"),
+])
+def test_conflicting_position_options_are_clear_errors(arch, flags, message):
+    from kerple_fairseq import KernelConfigError
+
+    args = parse_model_args(arch, *TINY, *flags)
+    with pytest.raises(KernelConfigError, match=message):
+        KernelBiasedLanguageModel.build_model(args, TinyTask())
+
+
+def test_weight_kernel_multiplies_the_scaled_logits():
+    """One layer by hand: softmax((q.k/sqrt(d)) * W + B) for kerple_bias_wht."""
+    torch.manual_seed(0)
+    model = tiny_model("kerple_bias_wht").eval()
+    attention = model.decoder.layers[0].self_attn
+    x = torch.randn(10, 2, 32)
+    with torch.no_grad():
+        mask = model.decoder.buffered_future_mask(x)
+        with model.decoder.attention_bias.forward_scope():
+            out, weights = attention(x, x, x, attn_mask=mask, need_weights=True, need_head_weights=True)
+        heads, dim = 4, 8
+        q = attention.q_proj(x).view(10, 2, heads, dim).permute(1, 2, 0, 3) / dim ** 0.5
+        k = attention.k_proj(x).view(10, 2, heads, dim).permute(1, 2, 0, 3)
+        kernel = model.decoder.attention_bias.kernel
+        d = (torch.arange(10)[:, None] - torch.arange(10)[None, :]).float()
+        r1, r2, r3, r4 = (kernel.value(n)[:, None, None] for n in ("r1", "r2", "r3", "r4"))
+        causal = d >= 0
+        dpos = d.clamp(min=0)
+        weight = torch.exp(-r3 * dpos ** r4)
+        bias = torch.where(causal, -r1 * dpos ** r2, torch.tensor(float("-inf")))
+        expected = torch.softmax(q @ k.transpose(-1, -2) * weight + bias, dim=-1)
+    torch.testing.assert_close(weights.transpose(0, 1), expected, atol=1e-6, rtol=1e-5)

@@ -17,6 +17,9 @@ class BiasKernel(nn.Module):
     or layers: :class:`kerple_fairseq.models.attention_bias.AttentionBias`
     turns it into the ``[heads, queries, keys]`` causal bias shared by all layers.
 
+    A *weight* kernel also multiplies the scaled logits by ``W_h(d)`` before the
+    bias is added (``has_weight = True``, ``weight(distance)`` gives ``W``).
+
     A subclass sets ``options`` to a dataclass of its command-line options
     (fields become ``--dashed-flags`` of the model) and validates them in
     ``__init__``, raising :class:`KernelConfigError` for values out of range.
@@ -24,6 +27,12 @@ class BiasKernel(nn.Module):
 
     name: ClassVar[str] = ""
     options: ClassVar[Optional[type]] = None
+    #: the kernel multiplies the scaled logits by ``weight(distance)``
+    has_weight: ClassVar[bool] = False
+    #: the kernel tells distances apart (False: token or rotary positions may be added)
+    encodes_position: ClassVar[bool] = True
+    #: the kernel is meaningless without ``--attn-window``
+    requires_window: ClassVar[bool] = False
 
     def __init__(self, num_heads: int):
         super().__init__()
@@ -40,6 +49,14 @@ class BiasKernel(nn.Module):
 
     def forward(self, distance: Tensor) -> Tensor:
         raise NotImplementedError
+
+    def weight(self, distance: Tensor) -> Tensor:
+        """``[num_heads, len(distance)]`` multipliers of the scaled logits (weight kernels only)."""
+        raise NotImplementedError(f"bias kernel {self.name!r} has no weight")
+
+    def zeros(self, distance: Tensor) -> Tensor:
+        """A ``[num_heads, len(distance)]`` zero bias in the compute dtype."""
+        return torch.zeros(self.num_heads, distance.numel(), dtype=self.compute_dtype(), device=distance.device)
 
     def extra_repr(self) -> str:
         return f"{self.name}, heads={self.num_heads}"

@@ -1,6 +1,5 @@
 """No positional bias: the causal mask alone (NoPE)."""
 
-import torch
 from torch import Tensor
 
 from kerple_fairseq.kernels.base import BiasKernel
@@ -15,5 +14,7 @@ class NoBiasKernel(BiasKernel):
     against in the slides of ``papers/002`` and used as the cost baseline.
     """
 
+    encodes_position = False
+
     def forward(self, distance: Tensor) -> Tensor:
-        return torch.zeros(self.num_heads, distance.numel(), dtype=self.compute_dtype(), device=distance.device)
+        return self.zeros(distance)

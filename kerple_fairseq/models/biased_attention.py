@@ -1,4 +1,5 @@
-"""Self-attention that adds a per-head bias on every path, incremental decoding included."""
+"""Self-attention that adds a per-head bias (and, for weight kernels, multiplies the logits by a
+per-head weight) on every path, incremental decoding included."""
 
 from typing import Callable, Dict, Optional, Tuple
 
@@ -7,6 +8,9 @@ from fairseq import utils
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
+from kerple_fairseq.models.rotary import RotaryEmbedding
+
+# (query_len, key_len, dtype, device) -> [heads, query_len, key_len]
 BiasSource = Callable[[int, int, torch.dtype, torch.device], Tensor]
 
 
@@ -17,17 +21,23 @@ class KernelBiasedSelfAttention(MultiheadAttention):
     ``[heads, queries, keys]``; either is broadcast over the batch, never
     copied per batch element. During incremental decoding fairseq passes no
     mask, so the bias for the new queries against all cached keys comes from
-    ``bias_source(query_len, key_len, dtype, device)``. The key/value cache has
-    fairseq's layout, so beam-search reordering works unchanged.
+    ``bias_source(query_len, key_len, dtype, device)``. With a ``weight_source``
+    (weight kernels), the scaled logits are multiplied by its weight before the
+    mask is added, on every path. With ``rotary``, queries and keys are rotated
+    by their absolute positions (cached keys keep theirs). The key/value cache
+    has fairseq's layout, so beam-search reordering works unchanged.
 
     Parameters and state-dict keys are those of :class:`MultiheadAttention`.
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, bias_source: BiasSource, dropout: float = 0.0,
-                 q_noise: float = 0.0, qn_block_size: int = 8):
+    def __init__(self, embed_dim: int, num_heads: int, bias_source: BiasSource,
+                 weight_source: Optional[BiasSource] = None, rotary: Optional[RotaryEmbedding] = None,
+                 dropout: float = 0.0, q_noise: float = 0.0, qn_block_size: int = 8):
         super().__init__(embed_dim, num_heads, dropout=dropout, self_attention=True,
                          q_noise=q_noise, qn_block_size=qn_block_size)
         self.bias_source = bias_source
+        self.weight_source = weight_source
+        self.rotary = rotary
 
     def forward(
         self,
@@ -54,8 +64,12 @@ class KernelBiasedSelfAttention(MultiheadAttention):
         k = split_heads(self.k_proj(query))
         v = split_heads(self.v_proj(query))
 
+        saved = self._get_input_buffer(incremental_state) if incremental_state is not None else {}
+        if self.rotary is not None:
+            cached = saved["prev_key"].size(2) if "prev_key" in saved else 0
+            q, k = self.rotary(q, offset=cached), self.rotary(k, offset=cached)
+
         if incremental_state is not None:
-            saved = self._get_input_buffer(incremental_state)
             if "prev_key" in saved:
                 k = torch.cat([saved["prev_key"], k], dim=2)
                 v = torch.cat([saved["prev_value"], v], dim=2)
@@ -74,6 +88,8 @@ class KernelBiasedSelfAttention(MultiheadAttention):
         src_len = k.size(2)
 
         scores = torch.matmul(q, k.transpose(-1, -2))  # [B, H, T, S]
+        if self.weight_source is not None:
+            scores = scores * self.weight_source(tgt_len, src_len, q.dtype, q.device)
         if attn_mask is not None:
             scores += attn_mask.to(scores.dtype)  # [T, S] or [H, T, S], broadcast, in place
         if key_padding_mask is not None:

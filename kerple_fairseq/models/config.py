@@ -28,6 +28,29 @@ def _make_config():
                 },
             ),
         ),
+        (
+            "attn_window",
+            int,
+            field(
+                default=0,
+                metadata={
+                    "help": "each query sees only the W most recent keys (itself included); composes "
+                    "with every kernel and can be set at evaluation only, e.g. "
+                    "--model-overrides \"{'attn_window': 512}\" (KERPLE's 'windowed@512'); 0: no window"
+                },
+            ),
+        ),
+        (
+            "rotary_embeddings",
+            bool,
+            field(
+                default=False,
+                metadata={
+                    "help": "rotate queries and keys by position (RoPE); only with --bias-kernel none "
+                    "or window (rotary plus --attn-window is the super-baseline)"
+                },
+            ),
+        ),
     ]
     # each kernel declares its own options; copy them so this dataclass owns its fields
     for f in option_fields():

@@ -1,10 +1,12 @@
 """fairseq's Transformer decoder with a kernel bias in place of the future mask."""
 
 from fairseq.models.transformer import TransformerDecoder
+from fairseq.utils import safe_getattr
 
 from kerple_fairseq.kernels import build_kernel
 from kerple_fairseq.models.attention_bias import AttentionBias
 from kerple_fairseq.models.biased_attention import KernelBiasedSelfAttention
+from kerple_fairseq.models.rotary import RotaryEmbedding
 
 # what max_positions() reports when nothing in the model limits the length
 UNBOUNDED_POSITIONS = 1 << 30
@@ -14,20 +16,27 @@ class KernelBiasedDecoder(TransformerDecoder):
     """A :class:`TransformerDecoder` whose ``buffered_future_mask`` is causal mask plus kernel bias.
 
     The kernel (``args.bias_kernel``) and its parameters live once, in
-    ``self.attention_bias``; every layer's self-attention reads the same bias,
-    built once per forward pass.
+    ``self.attention_bias``, with the optional window ``args.attn_window``;
+    every layer's self-attention reads the same bias (and weight, for weight
+    kernels), built once per forward pass. ``args.rotary_embeddings`` rotates
+    queries and keys by position in every layer.
     """
 
     def __init__(self, args, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
-        self.attention_bias = AttentionBias(build_kernel(args.bias_kernel, args.decoder_attention_heads, args))
+        kernel = build_kernel(args.bias_kernel, args.decoder_attention_heads, args)
+        self.attention_bias = AttentionBias(kernel, window=safe_getattr(args, "attn_window", 0))
+        head_dim = args.decoder_embed_dim // args.decoder_attention_heads
+        rotary = RotaryEmbedding(head_dim) if safe_getattr(args, "rotary_embeddings", False) else None
         for layer in self.layers:
             stock = layer.self_attn
             layer.self_attn = KernelBiasedSelfAttention(
                 stock.embed_dim,
                 stock.num_heads,
                 bias_source=self.attention_bias.forward,
+                weight_source=self.attention_bias.weight if kernel.has_weight else None,
+                rotary=rotary,
                 dropout=args.attention_dropout,
                 q_noise=args.quant_noise_pq,
                 qn_block_size=args.quant_noise_pq_block_size,

@@ -12,6 +12,7 @@ from fairseq.models.transformer_lm import (
 from fairseq.utils import safe_getattr
 
 from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.kernels import KERNELS
 from kerple_fairseq.models.config import KernelBiasedLMConfig
 from kerple_fairseq.models.decoder import KernelBiasedDecoder
 
@@ -33,12 +34,19 @@ def _decoder_class(decoder_cls):
 
 
 def check_positions(args) -> None:
-    if args.bias_kernel != "none" and not args.no_token_positional_embeddings:
+    """One source of position: a distance-encoding kernel, or token positions, or rotary."""
+    token_positions = not args.no_token_positional_embeddings
+    if token_positions and args.rotary_embeddings:
         raise KernelConfigError(
-            f"--bias-kernel {args.bias_kernel} already encodes position, but token positional "
-            "embeddings are on as well; drop --token-positional-embeddings (or set "
-            "no_token_positional_embeddings=True), or use --bias-kernel none for an "
-            "absolute-position baseline"
+            "--token-positional-embeddings and --rotary-embeddings are two position encodings; "
+            "choose one")
+    if KERNELS[args.bias_kernel].encodes_position and (token_positions or args.rotary_embeddings):
+        which = "rotary embeddings" if args.rotary_embeddings else "token positional embeddings"
+        flag = "--rotary-embeddings" if args.rotary_embeddings else \
+            "--token-positional-embeddings (or set no_token_positional_embeddings=True)"
+        raise KernelConfigError(
+            f"--bias-kernel {args.bias_kernel} already encodes position, but {which} are on as "
+            f"well; drop {flag}, or use --bias-kernel none (or window) for a positional baseline"
         )
 
 
@@ -54,8 +62,10 @@ class KernelBiasedLanguageModel(TransformerLanguageModel):
             return super().build_model(args, task)
 
 
-def _plugin_defaults(args, default_kernel: str) -> None:
+def _plugin_defaults(args, default_kernel: str, rotary: bool = False) -> None:
     args.bias_kernel = safe_getattr(args, "bias_kernel", default_kernel)
+    args.rotary_embeddings = safe_getattr(args, "rotary_embeddings", rotary)
+    args.attn_window = safe_getattr(args, "attn_window", 0)
     args.token_positional_embeddings = safe_getattr(args, "token_positional_embeddings", False)
     args.no_token_positional_embeddings = safe_getattr(
         args, "no_token_positional_embeddings", False
@@ -87,4 +97,18 @@ def alibi_base_architecture(args):
 def alibi_wiki103_architecture(args):
     """ALiBi's WikiText-103 model (``transformer_lm_wiki103``), ALiBi bias."""
     _plugin_defaults(args, "alibi")
+    transformer_lm_baevski_wiki103(args)
+
+
+@register_model_architecture(MODEL_NAME, "transformer_lm_rotary")
+def rotary_base_architecture(args):
+    """fairseq's ``transformer_lm`` sizes, rotary positions, no bias (``--attn-window W``: super-baseline)."""
+    _plugin_defaults(args, "none", rotary=True)
+    base_lm_architecture(args)
+
+
+@register_model_architecture(MODEL_NAME, "transformer_lm_rotary_wiki103")
+def rotary_wiki103_architecture(args):
+    """ALiBi's WikiText-103 model (``transformer_lm_wiki103``) with rotary positions, no bias."""
+    _plugin_defaults(args, "none", rotary=True)
     transformer_lm_baevski_wiki103(args)
