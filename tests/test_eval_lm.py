@@ -218,3 +218,22 @@ def test_bad_kernel_override_is_reported_as_such(trained, data_bin):
     proc, _ = kerple_eval_lm(data_bin, ckpt(trained, "kerple_log"), "--model-overrides",
                              "{'kernel_param_floor': 0.0}", check=False)
     one_line_error(proc, "--kernel-param-floor must be in (0, 1)")
+
+
+def test_evaluation_time_window_equals_stock_eval_lm_with_the_override(trained, data_bin, tmp_path):
+    """KERPLE's 'windowed@W': the same checkpoint, attention cut to the W most recent keys."""
+    checkpoint = ckpt(trained, "kerple_log")
+    _, windowed = kerple_eval_lm(data_bin, checkpoint, "--attn-window", "16", "--lengths", "16", "256",
+                                 tmp=tmp_path)
+    _, plain = kerple_eval_lm(data_bin, checkpoint, "--lengths", "16", "256", tmp=tmp_path)
+    tokens, loss, _ = stock_eval_lm(data_bin, checkpoint, 256, "--user-dir", "kerple_fairseq",
+                                    "--model-overrides", "{'attn_window': 16}")
+    assert windowed[1]["num_tokens"] == tokens and windowed[1]["loss"] == pytest.approx(loss, rel=1e-4)
+    # a window as long as the block changes nothing; a shorter one does
+    assert windowed[0]["loss"] == pytest.approx(plain[0]["loss"], rel=1e-6)
+    assert abs(windowed[1]["loss"] - plain[1]["loss"]) > 1e-4  # float noise is ~1e-7 here
+
+
+def test_evaluation_time_window_needs_a_plugin_model(trained, data_bin):
+    proc, _ = kerple_eval_lm(data_bin, ckpt(trained, "sinusoidal"), "--attn-window", "32", check=False)
+    one_line_error(proc, "an attention window (32) needs a kerple_fairseq model")

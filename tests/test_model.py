@@ -6,9 +6,9 @@ import torch
 from fairseq.models.transformer_lm import TransformerLanguageModel, base_lm_architecture
 
 from kerple_fairseq.kernels import KERNELS
+from kerple_fairseq.models.transformer_lm_kerple import KernelBiasedLanguageModel
 
 from helpers import TINY, VOCAB, TinyTask, parse_model_args, tiny_model
-from kerple_fairseq.models.transformer_lm_kerple import KernelBiasedLanguageModel
 
 
 def random_tokens(batch=3, length=24, seed=0):

@@ -2,8 +2,8 @@
 
 fairseq-eval-lm's options (positional data dir, ``--path``, ``--gen-subset``,
 ``--max-tokens``, ``--cpu``, ``--fp16``, ``--model-overrides``, ``--context-window``)
-plus ``--protocol``, ``--lengths``, ``--num-targets``, ``--results-json`` and
-``--position-wise``. The plugin is loaded by this command, so ``--user-dir`` is
+plus ``--protocol``, ``--lengths``, ``--num-targets``, ``--results-json``,
+``--position-wise`` and ``--attn-window``. The plugin is loaded by this command, so ``--user-dir`` is
 only needed for other plugins.
 """
 
@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--position-wise", metavar="FILE",
                        help="write a CSV of the mean base-2 loss at each position 0..L-1 of the "
                        "early-token-cursed blocks (length, position, loss, count)")
+    group.add_argument("--attn-window", type=positive_int, default=None, metavar="W",
+                       help="evaluate with attention restricted to the W most recent keys, whatever the "
+                       "model was trained with (KERPLE's 'windowed@W'; rotary + W: the super-baseline); "
+                       "same as --model-overrides \"{'attn_window': W}\"")
     return parser
 
 
@@ -90,7 +94,7 @@ def without_plugin_user_dir(argv: List[str]) -> List[str]:
     return out
 
 
-def load_model(cfg):
+def load_model(cfg, attn_window=None):
     data = cfg.task.data
     if not os.path.isfile(os.path.join(utils.split_paths(data)[0], "dict.txt")):
         raise EvalError(f"{data} is not a fairseq data-bin (no dict.txt); run fairseq-preprocess --only-source first")
@@ -100,6 +104,8 @@ def load_model(cfg):
         overrides = eval(cfg.common_eval.model_overrides)
     except Exception as e:
         raise EvalError(f"--model-overrides must be a Python dict literal: {e}") from e
+    if attn_window is not None:
+        overrides["attn_window"] = attn_window
     task = tasks.setup_task(cfg.task)
     try:
         models, _, task = checkpoint_utils.load_model_ensemble_and_task(
@@ -118,6 +124,10 @@ def load_model(cfg):
                         f"{str(e).splitlines()[0] if str(e) else 'truncated file'}); is it a complete fairseq checkpoint?") from e
     if len(models) != 1:
         raise EvalError("evaluate one checkpoint at a time (ensembles are not supported)")
+    window = overrides.get("attn_window")
+    if window and getattr(getattr(models[0].decoder, "attention_bias", None), "window", None) != window:
+        raise EvalError(f"an attention window ({window}) needs a kerple_fairseq model; "
+                        f"{cfg.common_eval.path} is a {type(models[0]).__name__}")
     return models[0], task
 
 
@@ -183,7 +193,7 @@ def check_arguments(args, cfg) -> None:
 
 def evaluate(args, cfg) -> int:
     check_arguments(args, cfg)
-    model, task = load_model(cfg)
+    model, task = load_model(cfg, args.attn_window)
     use_cuda = torch.cuda.is_available() and not cfg.common.cpu
     if cfg.common.fp16:
         model.half()

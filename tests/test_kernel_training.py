@@ -1,0 +1,48 @@
+"""Every kernel and positional option trains a tiny model on the real sample (fairseq-train),
+with finite, falling loss and in-domain parameters in the saved checkpoint."""
+
+import argparse
+import math
+
+import pytest
+import torch
+
+from kerple_fairseq.kernels import KERNELS, build_kernel
+from kerple_fairseq.kernels.learnable import LearnableKernel
+
+from conftest import train
+
+TINY = ["--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64"]
+UPDATES = 12
+RUNS = {name: ["--bias-kernel", name] for name in sorted(KERNELS)}
+RUNS["window"] += ["--attn-window", "16"]
+RUNS["alibi_rf-learnable-rho"] = ["--bias-kernel", "alibi_rf", "--alibi-rf-learnable-rho",
+                                  "--alibi-rf-decay", "reciprocal", "--alibi-rf-rho", "32"]
+RUNS["rotary"] = ["--arch", "transformer_lm_rotary"]
+RUNS["super-baseline"] = ["--arch", "transformer_lm_rotary", "--attn-window", "16"]
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_tiny_training_has_finite_falling_loss_and_valid_checkpoint(data_bin, tmp_path, run):
+    flags = RUNS[run]
+    arch = [] if "--arch" in flags else ["--arch", "transformer_lm_kerple"]
+    losses = train(data_bin, tmp_path, UPDATES, *arch, *TINY, *flags)
+    assert len(losses) == UPDATES and all(math.isfinite(x) for x in losses), losses
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 0.4, f"{run}: loss {first:.2f} -> {last:.2f}"
+
+    state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    cfg = state["cfg"]["model"]
+    kernel = build_kernel(cfg["bias_kernel"], cfg["decoder_attention_heads"], argparse.Namespace(**cfg))
+    prefix = "decoder.attention_bias.kernel."
+    saved = {k[len(prefix):]: v for k, v in state["model"].items() if k.startswith(prefix)}
+    assert saved.keys() == kernel.state_dict().keys()
+    kernel.load_state_dict(saved)
+    assert all(torch.isfinite(p).all() for p in kernel.parameters())
+    if isinstance(kernel, LearnableKernel):
+        for name, high in kernel.upper_bounds.items():
+            value = kernel.value(name)
+            assert ((value > kernel.floor) & (value < high)).all(), (name, value)
+    if run in ("rotary", "super-baseline"):
+        assert cfg["rotary_embeddings"] and cfg["bias_kernel"] == "none"
+        assert cfg["attn_window"] == (16 if run == "super-baseline" else 0)
