@@ -348,3 +348,15 @@ def test_every_kernel_documents_formula_and_paper_section():
         if cls.options is not None:
             for f in dataclasses.fields(cls.options):
                 assert f.metadata.get("help"), f"{name}: option {f.name} has no help"
+
+
+def test_readme_lists_every_kernel_and_option():
+    from conftest import REPO
+    from kerple_fairseq.kernels import option_fields
+
+    readme = (REPO / "README.md").read_text()
+    for name in KERNELS:
+        assert f"| `{name}` |" in readme, f"README's kernel table lacks {name}"
+    for f in option_fields():
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in readme, f"README does not mention {flag}"

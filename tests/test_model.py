@@ -186,10 +186,10 @@ def test_none_kernel_equals_stock_transformer_lm_without_positions():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kernel", ["alibi", "kerple_log", "kerple_power"])
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_half_precision_forward_is_finite_at_long_length(kernel, dtype):
     torch.manual_seed(0)
-    model = tiny_model(kernel).eval().to(dtype)
+    model = tiny_model(kernel, *window_flags(kernel)).eval().to(dtype)
     tokens = random_tokens(batch=1, length=2048)
     with torch.no_grad():
         logits, _ = model(tokens)

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--attn-window", type=positive_int, default=None, metavar="W",
                        help="evaluate with attention restricted to the W most recent keys, whatever the "
                        "model was trained with (KERPLE's 'windowed@W'; rotary + W: the super-baseline); "
-                       "same as --model-overrides \"{'attn_window': W}\"")
+                       "for checkpoints of this version, the same as --model-overrides \"{'attn_window': W}\"")
     return parser
 
 
@@ -104,8 +104,6 @@ def load_model(cfg, attn_window=None):
         overrides = eval(cfg.common_eval.model_overrides)
     except Exception as e:
         raise EvalError(f"--model-overrides must be a Python dict literal: {e}") from e
-    if attn_window is not None:
-        overrides["attn_window"] = attn_window
     task = tasks.setup_task(cfg.task)
     try:
         models, _, task = checkpoint_utils.load_model_ensemble_and_task(
@@ -124,10 +122,14 @@ def load_model(cfg, attn_window=None):
                         f"{str(e).splitlines()[0] if str(e) else 'truncated file'}); is it a complete fairseq checkpoint?") from e
     if len(models) != 1:
         raise EvalError("evaluate one checkpoint at a time (ensembles are not supported)")
-    window = overrides.get("attn_window")
-    if window and getattr(getattr(models[0].decoder, "attention_bias", None), "window", None) != window:
-        raise EvalError(f"an attention window ({window}) needs a kerple_fairseq model; "
-                        f"{cfg.common_eval.path} is a {type(models[0]).__name__}")
+    if attn_window is not None:
+        # set on the built model rather than through the overrides: fairseq ignores overrides of
+        # options a checkpoint's config lacks (those saved before --attn-window existed)
+        attention_bias = getattr(models[0].decoder, "attention_bias", None)
+        if attention_bias is None:
+            raise EvalError(f"--attn-window needs a kerple_fairseq model; {cfg.common_eval.path} is a "
+                            f"{type(models[0]).__name__}")
+        attention_bias.set_window(attn_window)
     return models[0], task
 
 

@@ -48,16 +48,21 @@ class AttentionBias(nn.Module):
 
     def __init__(self, kernel: BiasKernel, window: int = 0):
         super().__init__()
-        if window < 0:
-            raise KernelConfigError(f"--attn-window must be >= 0 (0: no window), got {window}")
-        if kernel.requires_window and window == 0:
-            raise KernelConfigError(
-                f"--bias-kernel {kernel.name} needs --attn-window W > 0 (the number of most recent "
-                "keys each query sees)")
         self.kernel = kernel
-        self.window = window
         self._forward_memo: Optional[Dict[Tuple, Tensor]] = None
         self._frozen_cache: "OrderedDict[Tuple, Tensor]" = OrderedDict()
+        self.set_window(window)
+
+    def set_window(self, window: int) -> None:
+        """Restrict attention to the ``window`` most recent keys (0: no window), e.g. at evaluation."""
+        if window < 0:
+            raise KernelConfigError(f"--attn-window must be >= 0 (0: no window), got {window}")
+        if self.kernel.requires_window and window == 0:
+            raise KernelConfigError(
+                f"--bias-kernel {self.kernel.name} needs --attn-window W > 0 (the number of most recent "
+                "keys each query sees)")
+        self.window = window
+        self._frozen_cache.clear()
 
     @property
     def has_weight(self) -> bool:
