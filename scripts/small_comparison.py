@@ -18,9 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+from wikitext103 import SPLITS, PrepareError, preprocess
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-SPLITS = ("train", "valid", "test")
 PROTOCOL_LINES = ("early-token-cursed", "last-token")  # kerple-eval-lm's per-result lines
 KERNEL_ARCHS = {"alibi": "transformer_lm_alibi", "kerple_log": "transformer_lm_kerple"}
 NO_DATA = (
@@ -78,30 +79,6 @@ def run(cmd, log=None):
         fail(f"{Path(str(cmd[0])).name} exited with {proc.returncode}")
 
 
-def preprocess(tokens_dir: Path, dest: Path, vocab_size: int):
-    """fairseq-preprocess --only-source into ``dest``, reusing a complete earlier result."""
-    stamp = {"source": str(tokens_dir.resolve()), "vocab_size": vocab_size,
-             "sizes": {s: (tokens_dir / f"wiki.{s}.tokens").stat().st_size for s in SPLITS}}
-    stamp_file = dest / "kerple-source.json"
-    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
-        stage(f"data-bin {dest} is up to date")
-        return
-    if dest.exists() and not stamp_file.is_file():
-        fail(f"{dest} exists but was not written by this script; remove it or pass --data-bin elsewhere")
-    stage(f"preprocessing {tokens_dir} into {dest}")
-    partial = dest.with_name(dest.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    cmd = [BIN / "fairseq-preprocess", "--only-source", "--workers", "2", "--destdir", partial]
-    for split, flag in zip(SPLITS, ("--trainpref", "--validpref", "--testpref")):
-        cmd += [flag, tokens_dir / f"wiki.{split}.tokens"]
-    if vocab_size:
-        cmd += ["--nwordssrc", str(vocab_size)]
-    run(cmd)
-    (partial / "kerple-source.json").write_text(json.dumps(stamp))
-    shutil.rmtree(dest, ignore_errors=True)
-    partial.rename(dest)  # complete or absent, never half-written
-
-
 def train(args, data_bin: Path, kernel: str) -> Path:
     save_dir = args.out / kernel
     if save_dir.exists():
@@ -155,7 +132,10 @@ def main():
         fail("--train-length, --updates, --num-targets and --eval-lengths must be positive")
     started = time.time()
     data_bin = args.data_bin or REPO / "data-bin" / tokens_dir.resolve().name
-    preprocess(tokens_dir, data_bin, args.vocab_size)
+    try:
+        preprocess(tokens_dir, data_bin, args.vocab_size, log=stage)
+    except PrepareError as e:
+        fail(str(e))
     results = {}
     for kernel in KERNEL_ARCHS:
         checkpoint = train(args, data_bin, kernel)

@@ -1,0 +1,138 @@
+"""WikiText-103 on disk: download, verify, unpack, and fairseq-preprocess into a data-bin.
+
+Every step writes to a temporary name and renames when complete, so an
+interrupted run leaves nothing a later run could mistake for a finished result.
+Shared by ``prepare_wikitext_103.py``, ``small_comparison.py`` and the reproduction.
+"""
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from pathlib import Path
+
+# fairseq's examples/language_model/prepare-wikitext-103.sh points at
+# s3.amazonaws.com/research.metamind.io, which now answers 403; the dataset's author hosts it here.
+OFFICIAL_URL = "https://wikitext.smerity.com/wikitext-103-v1.zip"
+OFFICIAL_MD5 = "9ddaacaf6af0710eda8c456decff7832"  # wikitext-103-v1.zip (torchtext records the same)
+ARCHIVE_NAME = "wikitext-103-v1.zip"
+SPLITS = ("train", "valid", "test")
+STAMP = "kerple-source.json"
+BIN = Path(sys.executable).parent
+
+
+class PrepareError(Exception):
+    """A problem the user can fix; reported as one line."""
+
+
+def token_files(tokens_dir: Path) -> dict:
+    files = {s: tokens_dir / f"wiki.{s}.tokens" for s in SPLITS}
+    missing = [p.name for p in files.values() if not p.is_file()]
+    if missing:
+        raise PrepareError(f"{tokens_dir} lacks {', '.join(missing)} (expected wiki.{{train,valid,test}}.tokens "
+                           "of the wikitext-103-v1 release)")
+    return files
+
+
+def md5sum(path: Path) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def download(url: str, dest: Path, md5: str, log=print) -> None:
+    """Fetch ``url`` into ``dest`` via ``dest.part``; only a complete file with the right md5 is kept."""
+    part = dest.with_name(dest.name + ".part")
+    log(f"downloading {url}")
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, open(part, "wb") as out:
+            expected = int(response.headers.get("Content-Length") or 0)
+            received, shown = 0, time.time()
+            for block in iter(lambda: response.read(1 << 20), b""):
+                out.write(block)
+                received += len(block)
+                if time.time() - shown > 10:
+                    total = f" of {expected / 2**20:.0f}" if expected else ""
+                    log(f"  {received / 2**20:.0f}{total} MiB")
+                    shown = time.time()
+        if expected and received != expected:
+            raise PrepareError(f"download of {url} stopped after {received} of {expected} bytes; run again")
+    except (urllib.error.URLError, OSError) as e:
+        part.unlink(missing_ok=True)
+        reason = getattr(e, "reason", None) or e
+        raise PrepareError(
+            f"cannot download {url} ({reason}); without network, fetch {ARCHIVE_NAME} elsewhere and pass "
+            "--archive FILE, or pass --tokens-dir DIR holding wiki.{train,valid,test}.tokens") from e
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    if md5 and md5sum(part) != md5:
+        part.unlink()
+        raise PrepareError(f"{url} does not have the expected md5 {md5} (corrupt or a different file); "
+                           "nothing was kept. Pass --md5 for a deliberately different archive")
+    part.rename(dest)
+
+
+def unpack(archive: Path, dest: Path, md5: str) -> Path:
+    """Extract the archive's ``wiki.*.tokens`` into ``dest`` (via ``dest.partial``); returns ``dest``."""
+    if (dest / STAMP).is_file() and json.loads((dest / STAMP).read_text()) == {"archive": str(archive.resolve())}:
+        return dest
+    if md5 and md5sum(archive) != md5:
+        raise PrepareError(f"{archive} does not have the expected md5 {md5}; delete it (or pass --md5) and run again")
+    partial = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        with zipfile.ZipFile(archive) as z:
+            for split in SPLITS:
+                name = next((n for n in z.namelist() if n.endswith(f"wiki.{split}.tokens")), None)
+                if name is None:
+                    raise PrepareError(f"{archive} has no wiki.{split}.tokens; is it wikitext-103-v1.zip?")
+                with z.open(name) as src, open(partial / f"wiki.{split}.tokens", "wb") as out:
+                    shutil.copyfileobj(src, out, 1 << 20)
+    except zipfile.BadZipFile as e:
+        raise PrepareError(f"{archive} is not a zip archive ({e}); delete it and run again") from e
+    (partial / STAMP).write_text(json.dumps({"archive": str(archive.resolve())}))
+    shutil.rmtree(dest, ignore_errors=True)
+    partial.rename(dest)
+    return dest
+
+
+def preprocess(tokens_dir: Path, dest: Path, vocab_size: int = 0, workers: int = 2, log=print) -> bool:
+    """``fairseq-preprocess --only-source`` into ``dest`` via ``dest.partial``.
+
+    A complete earlier result for the same files and vocabulary is reused (returns False);
+    a directory this function did not write is never overwritten.
+    """
+    files = token_files(tokens_dir)
+    stamp = {"source": str(tokens_dir.resolve()), "vocab_size": vocab_size,
+             "sizes": {s: p.stat().st_size for s, p in files.items()}}
+    stamp_file = dest / STAMP
+    if stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp:
+        log(f"data-bin {dest} is up to date")
+        return False
+    if dest.exists() and not stamp_file.is_file():
+        raise PrepareError(f"{dest} exists but was not written by this script; remove it or choose another destination")
+    log(f"preprocessing {tokens_dir} into {dest}")
+    partial = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    cmd = [str(BIN / "fairseq-preprocess"), "--only-source", "--workers", str(workers), "--destdir", str(partial),
+           "--trainpref", str(files["train"]), "--validpref", str(files["valid"]), "--testpref", str(files["test"])]
+    if vocab_size:
+        cmd += ["--nwordssrc", str(vocab_size)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise PrepareError(f"fairseq-preprocess failed ({tail[0]}); {dest} was left untouched")
+    (partial / STAMP).write_text(json.dumps(stamp))
+    shutil.rmtree(dest, ignore_errors=True)
+    partial.rename(dest)  # complete or absent, never half-written
+    return True
