@@ -20,8 +20,9 @@ class LearnableKernelOptions:
     kernel_param_floor: float = field(
         default=1e-2,
         metadata={
-            "help": "lower bound of the learnable kernel parameters (KERPLE's r1, r2 > 0); "
-            "they are stored as floor + softplus(raw), so the bound holds in every checkpoint"
+            "help": "lower bound of the learnable kernel parameters (KERPLE's r1, r2 > 0), learnable "
+            "powers of the distance included (they lie in (floor, 2)); they are stored as "
+            "floor + softplus(raw) or a scaled sigmoid, so the bounds hold in every checkpoint"
         },
     )
 

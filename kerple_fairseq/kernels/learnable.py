@@ -61,9 +61,6 @@ class LearnableKernel(BiasKernel):
         """``value(name)`` as a ``[num_heads, 1]`` column, to broadcast against distances."""
         return self.value(name)[:, None]
 
-    def domain(self, name: str) -> str:
-        return f"({self.floor:g}, {self.upper_bounds[name]:g})"
-
     def values(self) -> Dict[str, Tensor]:
         """Every learnable parameter's constrained values, by name (for logs and analysis)."""
         return {name: self.value(name) for name in self.upper_bounds}

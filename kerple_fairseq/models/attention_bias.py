@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels import BiasKernel
 
-FROZEN_CACHE_SIZE = 4
+FROZEN_CACHE_SIZE = 2  # per kind (bias, weight): each entry is heads x L x L
 
 
 def toeplitz(per_distance: Tensor, query_len: int, key_len: int, future: float, dtype: torch.dtype) -> Tensor:
@@ -63,10 +63,6 @@ class AttentionBias(nn.Module):
                 "keys each query sees)")
         self.window = window
         self._frozen_cache.clear()
-
-    @property
-    def has_weight(self) -> bool:
-        return self.kernel.has_weight
 
     @contextmanager
     def forward_scope(self):
@@ -127,8 +123,9 @@ class AttentionBias(nn.Module):
         if tensor is None:
             tensor = build(*key[1:])
             self._frozen_cache[cache_key] = tensor
-            while len(self._frozen_cache) > FROZEN_CACHE_SIZE:
-                self._frozen_cache.popitem(last=False)
+            same_kind = [k for k in self._frozen_cache if k[0] == key[0]]
+            for oldest in same_kind[: len(same_kind) - FROZEN_CACHE_SIZE]:
+                del self._frozen_cache[oldest]
         else:
             self._frozen_cache.move_to_end(cache_key)
         return tensor

@@ -67,7 +67,7 @@ class KernelBiasedSelfAttention(MultiheadAttention):
         saved = self._get_input_buffer(incremental_state) if incremental_state is not None else {}
         if self.rotary is not None:
             cached = saved["prev_key"].size(2) if "prev_key" in saved else 0
-            q, k = self.rotary(q, offset=cached), self.rotary(k, offset=cached)
+            q, k = self.rotary(q, k, offset=cached)
 
         if incremental_state is not None:
             if "prev_key" in saved:

@@ -1,5 +1,6 @@
 """fairseq's Transformer decoder with a kernel bias in place of the future mask."""
 
+from fairseq.logging import metrics
 from fairseq.models.transformer import TransformerDecoder
 from fairseq.utils import safe_getattr
 
@@ -44,6 +45,8 @@ class KernelBiasedDecoder(TransformerDecoder):
 
     def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None,
                          full_context_alignment=False, alignment_layer=None, alignment_heads=None):
+        if self.training:
+            self.log_kernel_parameters()
         with self.attention_bias.forward_scope():
             return super().extract_features(
                 prev_output_tokens,
@@ -53,6 +56,17 @@ class KernelBiasedDecoder(TransformerDecoder):
                 alignment_layer=alignment_layer,
                 alignment_heads=alignment_heads,
             )
+
+    def log_kernel_parameters(self) -> None:
+        """Each head's learnable kernel parameters as training metrics (``kernel/r1/h1``, ...):
+        fairseq averages them over the log interval and writes them to the log and TensorBoard."""
+        values = getattr(self.attention_bias.kernel, "values", None)
+        if values is None:
+            return
+        for name, per_head in values().items():
+            per_head = per_head.detach().float()  # tensors: read only when fairseq logs, no sync per step
+            for head in range(per_head.numel()):
+                metrics.log_scalar(f"kernel/{name}/h{head + 1}", per_head[head], priority=1000, round=4)
 
     def buffered_future_mask(self, tensor):
         length = tensor.size(0)

@@ -1,5 +1,7 @@
 """Rotary position embeddings, applied to queries and keys inside self-attention."""
 
+from typing import Tuple
+
 import torch
 from torch import Tensor, nn
 
@@ -25,15 +27,20 @@ class RotaryEmbedding(nn.Module):
             raise KernelConfigError(f"rotary embeddings need an even head dimension, got {head_dim}")
         self.head_dim = head_dim
 
-    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
-        """Rotate ``x`` (``[..., T, head_dim]``) whose rows sit at positions ``offset .. offset + T - 1``."""
-        half = self.head_dim // 2
-        k = torch.arange(half, dtype=torch.float64, device=x.device)
-        positions = torch.arange(offset, offset + x.size(-2), dtype=torch.float64, device=x.device)
+    def forward(self, *xs: Tensor, offset: int = 0) -> Tuple[Tensor, ...]:
+        """Rotate each ``x`` (``[..., T, head_dim]``, e.g. queries and keys), whose rows sit at
+        positions ``offset .. offset + T - 1``; the angles are computed once for all of them."""
+        x0, half = xs[0], self.head_dim // 2
+        k = torch.arange(half, dtype=torch.float64, device=x0.device)
+        positions = torch.arange(offset, offset + x0.size(-2), dtype=torch.float64, device=x0.device)
         angles = positions[:, None] * ROTARY_BASE ** (-2.0 * k / self.head_dim)[None, :]  # [T, D/2]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        first, second = x[..., :half], x[..., half:]
-        return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+        cos, sin = angles.cos().to(x0.dtype), angles.sin().to(x0.dtype)
+
+        def rotate(x: Tensor) -> Tensor:
+            first, second = x[..., :half], x[..., half:]
+            return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+
+        return tuple(rotate(x) for x in xs)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}"

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# ALiBi's WikiText-103 recipe for one kernel, on every GPU of this machine (options: --help).
+#   bash scripts/train-wikitext-103.sh kerple_log                  # 16 layers, fp16, 286k updates
+#   bash scripts/train-wikitext-103.sh alibi --tiny --cpu-processes 2   # CPU smoke run, two gloo processes
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+py="$here/../.venv/bin/python"; [ -x "$py" ] || py=python3
+exec "$py" "$here/train_wikitext_103.py" "$@"
