@@ -83,12 +83,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def base_command(args, preset, extra: List[str], freq: int, save_dir: Path) -> List[str]:
+def base_command(args, preset, freq: int, save_dir: Path) -> List[str]:
     return [str(BIN / "fairseq-train"), str(args.data), "--user-dir", str(REPO / "kerple_fairseq"),
             "--task", "language_modeling", *preset["flags"], "--bias-kernel", args.kernel,
             "--tokens-per-sample", str(args.train_length), "--max-tokens", str(preset["max_tokens"]),
             "--update-freq", str(freq), "--save-dir", str(save_dir),
-            "--tensorboard-logdir", str(save_dir / "tensorboard"), *extra]
+            "--tensorboard-logdir", str(save_dir / "tensorboard")]
 
 
 def cpu_commands(cmd: List[str], processes: int) -> List[List[str]]:
@@ -154,8 +154,9 @@ def main(argv=None):
     if not gpus and not args.tiny:
         print(f"{PROG}: warning: no GPU: the full recipe on CPU takes months; --tiny is the CPU smoke preset",
               file=sys.stderr)
-    cmd = base_command(args, preset, extra, freq, save_dir)
+    cmd = base_command(args, preset, freq, save_dir)
     commands = [gpu_command(cmd, args, gpus)] if gpus else cpu_commands(cmd, local_workers)
+    commands = [c + extra for c in commands]  # the user's fairseq-train options last: they win
     os.makedirs(save_dir, exist_ok=True)
     sys.exit(run_all(commands))
 

@@ -1,0 +1,106 @@
+"""scripts/train-wikitext-103.sh: gloo data parallelism, exact resume, TensorBoard kernel parameters,
+and the GPU command line (built here, run where a GPU is)."""
+
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, run
+
+SCRIPT = REPO / "scripts" / "train_wikitext_103.py"
+sys.path.insert(0, str(REPO / "scripts"))
+
+import train_wikitext_103 as T  # noqa: E402
+
+UPDATES = 4
+
+
+def train(data_bin, save_dir, *flags, check=True):
+    return run([sys.executable, SCRIPT, "kerple_log", "--tiny", "--data", data_bin, "--save-dir", save_dir,
+                "--max-update", str(UPDATES), "--dropout", "0", "--log-format", "json", "--log-interval", "1",
+                "--disable-validation", *flags], check=check)
+
+
+def parameters(save_dir):
+    return torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
+
+
+def assert_same_parameters(a, b, atol):
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=key)
+
+
+@pytest.fixture(scope="module")
+def one_process(data_bin, tmp_path_factory):
+    save_dir = tmp_path_factory.mktemp("one-process")
+    proc = train(data_bin, save_dir, "--cpu-processes", "1")
+    assert "1 CPU worker(s), --update-freq 2: 2048 tokens per update" in proc.stderr
+    return save_dir
+
+
+def test_two_gloo_processes_equal_one_process_with_update_freq_2(data_bin, tmp_path, one_process):
+    proc = train(data_bin, tmp_path, "--cpu-processes", "2")
+    assert "2 CPU worker(s), --update-freq 1: 2048 tokens per update" in proc.stderr
+    assert "distributed init (rank 1)" in proc.stdout + proc.stderr or (tmp_path / "checkpoint_last.pt").is_file()
+    assert_same_parameters(parameters(tmp_path), parameters(one_process), atol=1e-6)
+
+
+def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(data_bin, tmp_path, one_process):
+    train(data_bin, tmp_path, "--cpu-processes", "1", "--max-update", str(UPDATES // 2))
+    halfway = parameters(tmp_path)
+    train(data_bin, tmp_path, "--cpu-processes", "1")  # resumes from checkpoint_last.pt
+    assert_same_parameters(parameters(tmp_path), parameters(one_process), atol=1e-6)
+    # the updates after the interruption did change the parameters (so the equalities above are not trivial)
+    key = "decoder.attention_bias.kernel.r1_raw"
+    assert (halfway[key] - parameters(tmp_path)[key]).abs().max() > 1e-4
+
+
+def test_kernel_parameters_per_head_in_tensorboard(one_process):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(one_process / "tensorboard" / "train_inner"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = {f"kernel/{p}/h{h}" for p in ("r1", "r2") for h in range(1, 5)}
+    assert expected <= tags, sorted(tags)
+    for tag in expected:
+        values = [e.value for e in events.Scalars(tag)]
+        assert len(values) == UPDATES and all(v > 0.01 for v in values)
+
+
+def test_update_freq_keeps_the_recipes_tokens_per_update():
+    assert [T.update_freq(8, n) for n in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    assert T.update_freq(8, 3) == 3  # 9 batches of 9216: the closest from above; the script says so
+
+
+def test_gpu_command_is_the_fp16_multi_gpu_recipe(monkeypatch, capsys, tmp_path):
+    (tmp_path / "dict.txt").write_text("a 1\n")
+    launched = []
+    monkeypatch.setattr(T, "gpu_count", lambda: 4)
+    monkeypatch.setattr(T, "run_all", lambda commands: launched.extend(commands) or 0)
+    with pytest.raises(SystemExit) as exit_info:
+        T.main(["alibi", "--data", str(tmp_path), "--save-dir", str(tmp_path / "ckpt"),
+                "--nodes", "2", "--node-rank", "1", "--master", "node0:29500", "--max-update", "10"])
+    assert exit_info.value.code == 0 and len(launched) == 1
+    cmd = " ".join(launched[0])
+    for part in ["--arch transformer_lm_kerple_wiki103", "--bias-kernel alibi", "--fp16", "--ddp-backend legacy_ddp",
+                 "--max-tokens 9216", "--update-freq 1", "--distributed-world-size 8", "--distributed-rank 4",
+                 "--distributed-init-method tcp://node0:29500", "--tokens-per-sample 512", "--optimizer nag",
+                 "--lr-scheduler cosine", "--tensorboard-logdir"]:
+        assert part in cmd, part
+    assert cmd.endswith("--max-update 10")  # passed through, after (so overriding) the recipe's 286000
+    assert "8 GPU worker(s), --update-freq 1: 73728 tokens per update" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--data", "/nonexistent"], "is not a data-bin (no dict.txt); run: bash scripts/prepare-wikitext-103.sh"),
+    (["--nodes", "2"], "--nodes > 1 needs --master HOST:PORT"),
+])
+def test_bad_input_is_one_line(data_bin, flags, message):
+    args = [sys.executable, SCRIPT, "alibi", "--tiny"] + (["--data", str(data_bin)] if "--data" not in flags else []) + flags
+    proc = run(args, check=False)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [f"train-wikitext-103: error: {proc.stderr.split('error: ', 1)[1].strip()}"]
+    assert message in proc.stderr
