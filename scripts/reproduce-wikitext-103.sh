@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# ALiBi vs KERPLE-log on WikiText-103 (KERPLE Table 10): train, evaluate, tabulate (options: --help).
+#   bash scripts/reproduce-wikitext-103.sh                          # trained at 512
+#   bash scripts/reproduce-wikitext-103.sh --train-lengths 512 2048
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+py="$here/../.venv/bin/python"; [ -x "$py" ] || py=python3
+exec "$py" "$here/reproduce_wikitext_103.py" "$@"
