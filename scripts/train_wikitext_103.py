@@ -10,6 +10,7 @@ Options this script does not know are passed to fairseq-train unchanged (and ove
 import argparse
 import math
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -36,8 +37,7 @@ TINY = {
     "flags": ["--arch", "transformer_lm_kerple", "--decoder-layers", "2", "--decoder-embed-dim", "64",
               "--decoder-ffn-embed-dim", "128", "--decoder-attention-heads", "4", "--criterion", "cross_entropy",
               "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "5",
-              "--max-update", "20", "--sample-break-mode", "none", "--seed", "1", "--num-workers", "0",
-              "--validate-interval-updates", "10"],
+              "--max-update", "20", "--sample-break-mode", "none", "--seed", "1", "--num-workers", "0"],
     "max_tokens": 1024,
     "reference_workers": 2,
 }
@@ -58,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nodes-1")
     p.add_argument("--master", default=None, metavar="HOST:PORT",
                    help="address of node 0 for --nodes > 1 (fairseq's --distributed-init-method tcp://HOST:PORT)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the fairseq-train command line(s) instead of running them (e.g. for torchrun)")
     return p.parse_known_args(argv)
 
 
@@ -157,6 +159,9 @@ def main(argv=None):
     cmd = base_command(args, preset, freq, save_dir)
     commands = [gpu_command(cmd, args, gpus)] if gpus else cpu_commands(cmd, local_workers)
     commands = [c + extra for c in commands]  # the user's fairseq-train options last: they win
+    if args.dry_run:
+        print("\n".join(shlex.join(c) for c in commands))
+        sys.exit(0)
     os.makedirs(save_dir, exist_ok=True)
     sys.exit(run_all(commands))
 

@@ -104,3 +104,12 @@ def test_bad_input_is_one_line(data_bin, flags, message):
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [f"train-wikitext-103: error: {proc.stderr.split('error: ', 1)[1].strip()}"]
     assert message in proc.stderr
+
+
+def test_dry_run_prints_the_command_lines(data_bin, tmp_path):
+    proc = run([sys.executable, SCRIPT, "alibi", "--tiny", "--data", data_bin, "--save-dir", tmp_path / "x",
+                "--cpu-processes", "2", "--dry-run"])
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2 and all("fairseq-train" in line for line in lines)
+    assert "--distributed-rank 0" in lines[0] and "--distributed-rank 1" in lines[1]
+    assert not (tmp_path / "x").exists()
