@@ -7,7 +7,6 @@ import os
 import sys
 import threading
 import zipfile
-from pathlib import Path
 
 import pytest
 
