@@ -9,7 +9,6 @@ Options this script does not know are passed to fairseq-train unchanged (and ove
 
 import argparse
 import math
-import os
 import shlex
 import socket
 import subprocess
@@ -162,7 +161,6 @@ def main(argv=None):
     if args.dry_run:
         print("\n".join(shlex.join(c) for c in commands))
         sys.exit(0)
-    os.makedirs(save_dir, exist_ok=True)
     sys.exit(run_all(commands))
 
 
