@@ -18,6 +18,9 @@ setup(
         "numpy",
         "tensorboard",
     ],
-    extras_require={"test": ["pytest"]},
-    entry_points={"console_scripts": ["kerple-eval-lm = kerple_fairseq.evaluation.cli:cli_main"]},
+    extras_require={"test": ["pytest"], "plots": ["matplotlib"]},
+    entry_points={"console_scripts": [
+        "kerple-eval-lm = kerple_fairseq.evaluation.cli:cli_main",
+        "kerple-analyze = kerple_fairseq.analysis.cli:cli_main",
+    ]},
 )

@@ -12,6 +12,10 @@ class KernelConfigError(ValueError):
     """
 
 
+class UsageError(Exception):
+    """A problem with a command's input (paths, data, lengths); its command prints it as one line."""
+
+
 def _one_line_excepthook(previous):
     def hook(exc_type, exc, tb):
         if issubclass(exc_type, KernelConfigError):

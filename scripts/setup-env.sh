@@ -13,5 +13,5 @@ echo "setup-env: installing into $(pwd)/.venv (fairseq builds from source the fi
 "$py" -m pip install -q "torch==2.13.0" numpy cython
 # fairseq's build imports torch, so build it against the torch above (no isolated build env,
 # which would fetch another torch). setup.py picks fairseq-fixed on Python 3.11+.
-"$py" -m pip install -q --no-build-isolation ".[test]"
+"$py" -m pip install -q --no-build-isolation ".[test,plots]"
 "$py" -c "import kerple_fairseq, fairseq, torch; print('setup-env: fairseq', fairseq.__version__, 'torch', torch.__version__)" 2>&1 | grep setup-env

@@ -71,7 +71,7 @@ def brute_force_last_token(model, stream, targets, length):
 
 def test_last_token_equals_brute_force_and_scores_the_same_targets(trained, data_bin, tmp_path):
     from kerple_fairseq.evaluation import windows as W
-    from kerple_fairseq.evaluation.cli import token_stream
+    from kerple_fairseq.evaluation.loading import token_stream
 
     lengths, num_targets = [8, 64, 300], 50
     _, records = kerple_eval_lm(data_bin, ckpt(trained, "kerple_log"), "--protocol", "last-token",
@@ -79,9 +79,7 @@ def test_last_token_equals_brute_force_and_scores_the_same_targets(trained, data
     models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
         [str(ckpt(trained, "kerple_log"))], arg_overrides={"data": str(data_bin)})
     model = models[0].eval()
-    cfg.dataset.gen_subset = "valid"
-    cfg.task.data = str(data_bin)
-    stream = token_stream(task, cfg)
+    stream = token_stream(task, str(data_bin), "valid")
     targets = W.last_token_targets(len(stream), max(lengths), num_targets)
     assert targets.min() >= max(lengths) - 1 and len(set(targets.tolist())) == num_targets
     for record, length in zip(records, lengths):

@@ -12,26 +12,21 @@ import csv
 import json
 import math
 import os
-import pickle
 import sys
 from typing import Dict, List
 
 import numpy as np
 import torch
-from fairseq import checkpoint_utils, options, tasks, utils
-from fairseq.data import data_utils
+from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-from fairseq.modules import LearnedPositionalEmbedding
 
-from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation import windows as W
-from kerple_fairseq.evaluation.scorer import WindowScorer
+from kerple_fairseq.evaluation.loading import (check_checkpoint, check_data_bin, length_limit, load_language_model,
+                                               token_stream)
+from kerple_fairseq.evaluation.scorer import WindowScorer, loss_by_position
 
 PROG = "kerple-eval-lm"
-
-
-class EvalError(Exception):
-    """A problem with the user's input; reported as one line."""
 
 
 def positive_int(text: str) -> int:
@@ -95,82 +90,29 @@ def without_plugin_user_dir(argv: List[str]) -> List[str]:
 
 
 def load_model(cfg, attn_window=None):
-    data = cfg.task.data
-    if not os.path.isfile(os.path.join(utils.split_paths(data)[0], "dict.txt")):
-        raise EvalError(f"{data} is not a fairseq data-bin (no dict.txt); run fairseq-preprocess --only-source first")
-    if not os.path.isfile(cfg.common_eval.path):
-        raise EvalError(f"checkpoint {cfg.common_eval.path} does not exist")
+    check_data_bin(cfg.task.data)
+    check_checkpoint(cfg.common_eval.path)
     try:
         overrides = eval(cfg.common_eval.model_overrides)
     except Exception as e:
-        raise EvalError(f"--model-overrides must be a Python dict literal: {e}") from e
-    task = tasks.setup_task(cfg.task)
-    try:
-        models, _, task = checkpoint_utils.load_model_ensemble_and_task(
-            [cfg.common_eval.path], arg_overrides=overrides, task=task)
-    except KernelConfigError as e:
-        raise EvalError(str(e)) from e
-    except RuntimeError as e:
-        if "size mismatch" in str(e):
-            raise EvalError(
-                f"the dictionary of {data} ({len(task.source_dictionary)} types) does not match the "
-                "checkpoint's: evaluate on the data-bin the model was trained with, or preprocess with "
-                "fairseq-preprocess --srcdict <its dict.txt>") from e
-        raise EvalError(f"cannot load checkpoint {cfg.common_eval.path}: {str(e).splitlines()[0]}") from e
-    except (EOFError, OSError, ValueError, KeyError, AttributeError, pickle.UnpicklingError) as e:
-        raise EvalError(f"cannot read checkpoint {cfg.common_eval.path} ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else 'truncated file'}); is it a complete fairseq checkpoint?") from e
-    if len(models) != 1:
-        raise EvalError("evaluate one checkpoint at a time (ensembles are not supported)")
-    if attn_window is not None:
-        # set on the built model rather than through the overrides: fairseq ignores overrides of
-        # options a checkpoint's config lacks (those saved before --attn-window existed)
-        attention_bias = getattr(models[0].decoder, "attention_bias", None)
-        if attention_bias is None:
-            raise EvalError(f"--attn-window needs a kerple_fairseq model; {cfg.common_eval.path} is a "
-                            f"{type(models[0]).__name__}")
-        attention_bias.set_window(attn_window)
-    return models[0], task
-
-
-def token_stream(task, cfg) -> torch.Tensor:
-    """The split as one stream: every line's tokens and its end-of-sentence symbol."""
-    split_path = os.path.join(utils.split_paths(cfg.task.data)[0], cfg.dataset.gen_subset)
-    dataset = data_utils.load_indexed_dataset(split_path, task.source_dictionary, cfg.dataset.dataset_impl)
-    if dataset is None:
-        raise EvalError(f"{cfg.task.data} has no '{cfg.dataset.gen_subset}' split "
-                        f"({cfg.dataset.gen_subset}.bin/.idx); choose one with --gen-subset")
-    return torch.cat([dataset[i].long() for i in range(len(dataset))])
-
-
-def length_limit(model):
-    """The longest input the model can take, or None when nothing bounds it.
-
-    Learned positional embeddings have a fixed table; sinusoidal ones and bias
-    kernels extend to any length.
-    """
-    positions = getattr(model.decoder, "embed_positions", None)
-    if isinstance(positions, LearnedPositionalEmbedding):
-        return positions.max_positions
-    return None
+        raise UsageError(f"--model-overrides must be a Python dict literal: {e}") from e
+    model, task, _ = load_language_model(cfg.common_eval.path, cfg.task.data, overrides,
+                                         tasks.setup_task(cfg.task), attn_window)
+    return model, task
 
 
 def summarise(protocol: str, length: int, scores: List[np.ndarray]) -> Dict:
     num_tokens = int(sum(s.size for s in scores))
     if num_tokens == 0:
-        raise EvalError(f"{protocol} at length {length} scored no tokens")
+        raise UsageError(f"{protocol} at length {length} scored no tokens")
     total = float(sum(s.astype(np.float64).sum() for s in scores))
     loss = -total / num_tokens / math.log(2)
     return {"protocol": protocol, "length": length, "ppl": 2.0 ** loss, "loss": loss, "num_tokens": num_tokens}
 
 
 def position_wise_rows(length: int, scores: List[np.ndarray]):
-    sums = np.zeros(length)
-    counts = np.zeros(length, dtype=np.int64)
-    for s in scores:
-        sums[: s.size] -= s / math.log(2)
-        counts[: s.size] += 1
-    return [(length, p, sums[p] / counts[p], int(counts[p])) for p in range(length) if counts[p]]
+    losses, counts = loss_by_position(length, scores)
+    return [(length, p, losses[p], int(counts[p])) for p in range(length) if counts[p]]
 
 
 def format_table(records: List[Dict]) -> str:
@@ -183,13 +125,13 @@ def format_table(records: List[Dict]) -> str:
 def check_arguments(args, cfg) -> None:
     """Fail before any work on what would otherwise fail, or be ignored, after it."""
     if cfg.task.sample_break_mode != "none" or cfg.task.add_bos_token:
-        raise EvalError("the protocols score fairseq's unbroken token stream: leave --sample-break-mode "
+        raise UsageError("the protocols score fairseq's unbroken token stream: leave --sample-break-mode "
                         "at none and --add-bos-token off")
     for flag, path in (("--results-json", args.results_json), ("--position-wise", args.position_wise)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise EvalError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
+            raise UsageError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
     if args.position_wise and "early-token-cursed" not in protocols_to_run(args):
-        raise EvalError("--position-wise reports the early-token-cursed blocks: use it with "
+        raise UsageError("--position-wise reports the early-token-cursed blocks: use it with "
                         "--protocol early-token-cursed or all")
 
 
@@ -205,23 +147,23 @@ def evaluate(args, cfg) -> int:
     model.eval()
     device = next(model.parameters()).device
 
-    stream = token_stream(task, cfg)
+    stream = token_stream(task, cfg.task.data, cfg.dataset.gen_subset, cfg.dataset.dataset_impl)
     inputs = torch.cat([stream.new_tensor([task.source_dictionary.eos()]), stream[:-1]])
     lengths = args.lengths or [cfg.task.tokens_per_sample]
     protocols = protocols_to_run(args)
     if "sliding" in protocols and args.context_window >= min(lengths):
-        raise EvalError(f"--context-window {args.context_window} must be smaller than every length")
+        raise UsageError(f"--context-window {args.context_window} must be smaller than every length")
     limit = length_limit(model)
     scorer = WindowScorer(model, inputs, stream, cfg.dataset.max_tokens or 36000, device,
                           progress=not cfg.common.no_progress_bar)
     targets = None
     if "last-token" in protocols:
         if min(lengths) < 2:
-            raise EvalError("the last-token protocol needs lengths >= 2")
+            raise UsageError("the last-token protocol needs lengths >= 2")
         try:
             targets = W.last_token_targets(len(stream), max(lengths), args.num_targets)
         except ValueError as e:
-            raise EvalError(str(e)) from e
+            raise UsageError(str(e)) from e
 
     records, positions, failed = [], [], []
     for length in lengths:
@@ -264,7 +206,7 @@ def cli_main(argv=None) -> None:
     cfg = convert_namespace_to_omegaconf(args)
     try:
         sys.exit(evaluate(args, cfg))
-    except EvalError as e:
+    except UsageError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(1)
 

@@ -1,8 +1,9 @@
 """Batched scoring of token windows with a fairseq language model."""
 
+import math
 import sys
 from collections import defaultdict
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -65,3 +66,15 @@ class WindowScorer:
         scored = torch.cat(pieces, dim=1).cpu().numpy()
         for row, (w, index) in enumerate(zip(batch, indices)):
             results[index] = scored[row, w.score_from - w.start - offset:]
+
+
+def loss_by_position(length: int, scores: List[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+    """Mean base-2 loss at positions ``0 .. length-1`` of windows scored from their start, and
+    the number of windows reaching each position (a split's last block may be shorter)."""
+    sums = np.zeros(length)
+    counts = np.zeros(length, dtype=np.int64)
+    for s in scores:
+        sums[: s.size] -= s.astype(np.float64) / math.log(2)
+        counts[: s.size] += 1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return sums / counts, counts

@@ -85,11 +85,16 @@ class AttentionBias(nn.Module):
         return self._shared("weight", self.build_weight, query_len, key_len, dtype, device)
 
     def build(self, query_len: int, key_len: int, dtype: torch.dtype, device) -> Tensor:
-        distances = self._distances(key_len, device)
-        per_distance = self.kernel(distances)  # [heads, key_len], float32
-        if 0 < self.window < key_len:
-            per_distance = per_distance.masked_fill(distances >= self.window, float("-inf"))
-        return toeplitz(per_distance, query_len, key_len, float("-inf"), dtype)
+        return toeplitz(self.per_distance(key_len, device), query_len, key_len, float("-inf"), dtype)
+
+    def per_distance(self, num_distances: int, device=None) -> Tensor:
+        """``[heads, num_distances]`` float32: ``B_h(d)`` for ``d = 0 .. num_distances - 1``,
+        ``-inf`` from the window on."""
+        distances = self._distances(num_distances, device)
+        values = self.kernel(distances)
+        if 0 < self.window < num_distances:
+            values = values.masked_fill(distances >= self.window, float("-inf"))
+        return values
 
     def build_weight(self, query_len: int, key_len: int, dtype: torch.dtype, device) -> Tensor:
         per_distance = self.kernel.weight(self._distances(key_len, device))

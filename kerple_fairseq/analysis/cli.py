@@ -1,0 +1,259 @@
+"""``kerple-analyze``: figures and the numbers behind them, from one or more checkpoints.
+
+    kerple-analyze kernels          --path A.pt B.pt [--max-distance 2048]
+    kerple-analyze effective-length --path A.pt B.pt [--max-distance 20480] [--threshold -2]
+    kerple-analyze position-wise    DATA --path A.pt B.pt --length 2048 [--windowed-reference]
+    kerple-analyze receptive-field  DATA --path A.pt B.pt --length 2048 [--num-segments 32] [--mass 0.99]
+
+Each writes ``<out>/<analysis>.csv`` (and ``receptive-field.json``) and, with matplotlib
+installed (the ``plots`` extra), ``<out>/<analysis>.png``.
+"""
+
+import argparse
+import csv
+import json
+import os
+import sys
+from typing import Callable, List
+
+import numpy as np
+import torch
+
+import kerple_fairseq  # noqa: F401  (registers the plugin's models before checkpoints are loaded)
+from kerple_fairseq.analysis import figures
+from kerple_fairseq.analysis.kernel_curves import effective_lengths, heads_within, load_kernel
+from kerple_fairseq.analysis.position_wise import binned_perplexity, position_wise_loss
+from kerple_fairseq.analysis.receptive_field import receptive_field, theoretical_receptive_field
+from kerple_fairseq.errors import KernelConfigError, UsageError
+from kerple_fairseq.evaluation.loading import length_limit, load_language_model, token_stream
+
+PROG = "kerple-analyze"
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    checkpoints = argparse.ArgumentParser(add_help=False)
+    checkpoints.add_argument("--path", nargs="+", required=True, metavar="CHECKPOINT",
+                             help="fairseq checkpoints, drawn side by side")
+    checkpoints.add_argument("--labels", nargs="+", metavar="LABEL",
+                             help="one name per checkpoint (default: each checkpoint's directory name)")
+    checkpoints.add_argument("--out", default="analysis", metavar="DIR",
+                             help="directory for the figures and numbers (created if missing; default: analysis)")
+    data = argparse.ArgumentParser(add_help=False)
+    data.add_argument("data", help="the fairseq data-bin the models were trained with")
+    data.add_argument("--gen-subset", default="valid", metavar="SPLIT", help="split to analyse (default: valid)")
+    data.add_argument("--length", type=positive_int, required=True, metavar="L", help="segment length L")
+    data.add_argument("--max-tokens", type=positive_int, default=8192,
+                      help="input tokens per forward pass (default: 8192)")
+    data.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA is available")
+    data.add_argument("--no-progress-bar", action="store_true", help="no progress bar")
+
+    sub = parser.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
+    kernels = sub.add_parser("kernels", parents=[checkpoints], help="each head's bias B_h(d) (KERPLE §5.4)")
+    kernels.add_argument("--max-distance", type=positive_int, default=2048, help="largest d drawn (default: 2048)")
+    effective = sub.add_parser("effective-length", parents=[checkpoints],
+                               help="heads whose bias falls below the threshold by distance x (KERPLE A.5)")
+    effective.add_argument("--max-distance", type=positive_int, default=20480,
+                           help="x runs over 0..max-distance (default: 20480, as in KERPLE Fig. 6)")
+    effective.add_argument("--threshold", type=float, default=-2.0,
+                           help="effective length = smallest d with B_h(d) < threshold (default: -2)")
+    position = sub.add_parser("position-wise", parents=[checkpoints, data],
+                              help="mean perplexity by position in blocks of L tokens (KERPLE §5.5)")
+    position.add_argument("--windowed-reference", action="store_true",
+                          help="also draw each model with attention limited to its training length")
+    position.add_argument("--reference-window", type=positive_int, metavar="W",
+                          help="the reference's window instead of the training length (implies --windowed-reference)")
+    position.add_argument("--bin-width", type=positive_int, metavar="N",
+                          help="positions averaged per point of the figure (default: L/64); the CSV has every position")
+    receptive = sub.add_parser("receptive-field", parents=[checkpoints, data],
+                               help="cumulative normalized gradient and ERF (Sandwich §5.1)")
+    receptive.add_argument("--num-segments", type=positive_int, default=32,
+                           help="segments averaged, evenly spread over the split (default: 32)")
+    receptive.add_argument("--mass", type=float, default=0.99,
+                           help="ERF = fewest most recent tokens holding more than this share (default: 0.99)")
+    return parser
+
+
+def default_labels(paths: List[str]) -> List[str]:
+    labels = [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in paths]
+    return labels if len(set(labels)) == len(labels) else list(paths)
+
+
+def check_arguments(args) -> List[str]:
+    labels = args.labels or default_labels(args.path)
+    if len(labels) != len(args.path):
+        raise UsageError(f"--labels gives {len(labels)} names for {len(args.path)} checkpoints")
+    if len(set(labels)) != len(labels):
+        raise UsageError("--labels must be distinct")
+    if args.analysis == "receptive-field" and not 0 < args.mass < 1:
+        raise UsageError(f"--mass must be between 0 and 1, got {args.mass}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"--out {args.out} exists and is not a directory")
+    return labels
+
+
+def write_csv(path: str, header: List[str], rows) -> None:
+    partial = f"{path}.partial"
+    with open(partial, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)
+    os.replace(partial, path)
+
+
+def write_json(path: str, value) -> None:
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(partial, path)
+
+
+def draw(figure: Callable[[], None], png: str) -> bool:
+    """Draw a figure if matplotlib is there; otherwise say how to get it. Returns whether drawn."""
+    try:
+        figure()
+    except figures.PlotsUnavailable as e:
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return False
+    print(f"{PROG}: wrote {png}", file=sys.stderr)
+    return True
+
+
+def analyse_kernels(args, labels, out: str) -> None:
+    loaded = [load_kernel(p, label) for p, label in zip(args.path, labels)]
+    rows, panels = [], []
+    for ck in loaded:
+        curves, weights = ck.curves(args.max_distance), ck.weight_curves(args.max_distance)
+        panels.append((f"{ck.label} ({ck.kernel.name}{f', window {ck.window}' if ck.window else ''})", curves))
+        for head, row in enumerate(curves):
+            for d, bias in enumerate(row):
+                rows.append((ck.label, ck.kernel.name, head + 1, d, repr(float(bias)),
+                             "" if weights is None else repr(float(weights[head, d]))))
+        print(f"{ck.label}: {ck.kernel.name}, {len(curves)} heads, B_h({args.max_distance}) = "
+              + ", ".join(f"{v:.3g}" for v in curves[:, -1]))
+    write_csv(os.path.join(out, "kernels.csv"), ["model", "kernel", "head", "distance", "bias", "weight"], rows)
+    png = os.path.join(out, "kernels.png")
+    draw(lambda: figures.kernels(panels, png), png)
+
+
+def analyse_effective_length(args, labels, out: str) -> None:
+    loaded = [load_kernel(p, label) for p, label in zip(args.path, labels)]
+    xs = np.arange(args.max_distance + 1)
+    rows, series, counts = [], [], []
+    for ck in loaded:
+        lengths = effective_lengths(ck.curves(args.max_distance), args.threshold)
+        series.append((ck.label, lengths))
+        counts.append(heads_within(lengths, xs))
+        rows.extend((ck.label, ck.kernel.name, head + 1, "" if n is None else n) for head, n in enumerate(lengths))
+        print(f"{ck.label}: effective lengths (B < {args.threshold:g}) "
+              + ", ".join("> max" if n is None else str(n) for n in lengths))
+    write_csv(os.path.join(out, "effective-length.csv"), ["model", "kernel", "head", "effective_length"], rows)
+    png = os.path.join(out, "effective-length.png")
+    draw(lambda: figures.effective_length(series, xs, counts, args.threshold, png), png)
+
+
+def load_for_data(args, path: str):
+    """(model, task, training length, device) ready for analysis on ``args.data`` at ``args.length``."""
+    model, task, cfg = load_language_model(path, args.data)
+    limit = length_limit(model)
+    if limit is not None and args.length > limit:
+        raise UsageError(f"--length {args.length} exceeds the {limit} learned positional embeddings of {path}")
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    model.to(device).eval()
+    return model, task, cfg.task.tokens_per_sample, device
+
+
+def analyse_position_wise(args, labels, out: str) -> None:
+    rows, series, train_lengths = [], [], []
+    bin_width = args.bin_width or max(1, args.length // 64)
+    for path, label in zip(args.path, labels):
+        model, task, train_length, device = load_for_data(args, path)
+        stream = token_stream(task, args.data, args.gen_subset)
+        train_lengths.append(train_length)
+        variants = [(label, None)]
+        if args.windowed_reference or args.reference_window:
+            if getattr(model.decoder, "attention_bias", None) is None:
+                raise UsageError(f"--windowed-reference needs a kerple_fairseq model; {path} is a {type(model).__name__}")
+            window = args.reference_window or train_length
+            variants.append((f"{label} windowed@{window}", window))
+        for name, window in variants:
+            attention_bias = getattr(model.decoder, "attention_bias", None)
+            trained_window = attention_bias.window if attention_bias is not None else 0
+            if window is not None:
+                attention_bias.set_window(window)
+            try:
+                losses, counts = position_wise_loss(model, stream, task.source_dictionary.eos(), args.length,
+                                                    args.max_tokens, device, progress=not args.no_progress_bar)
+            finally:
+                if window is not None:
+                    attention_bias.set_window(trained_window)
+            rows.extend((name, p, repr(float(losses[p])), repr(2.0 ** float(losses[p])), int(counts[p]))
+                        for p in range(args.length) if counts[p])
+            centres, ppl = binned_perplexity(losses, counts, bin_width)
+            series.append((label, name, centres, ppl))
+            mean = float(np.nansum(losses * counts) / counts.sum())
+            print(f"{name}: L = {args.length}, perplexity {2 ** mean:.2f} over {int(counts.sum())} tokens; "
+                  f"{ppl[0]:.1f} in the first {bin_width} positions, {ppl[-1]:.1f} in the last")
+    write_csv(os.path.join(out, "position-wise.csv"), ["model", "position", "loss", "ppl", "count"], rows)
+    png = os.path.join(out, "position-wise.png")
+    draw(lambda: figures.position_wise(series, train_lengths, args.length, png), png)
+
+
+def analyse_receptive_field(args, labels, out: str) -> None:
+    rows, series, summary = [], [], {}
+    for path, label in zip(args.path, labels):
+        model, task, _, device = load_for_data(args, path)
+        stream = token_stream(task, args.data, args.gen_subset)
+        try:
+            field = receptive_field(model, stream, args.length, args.num_segments, args.mass, args.max_tokens, device,
+                                    progress=not args.no_progress_bar)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+        attention_bias = getattr(model.decoder, "attention_bias", None)
+        window = attention_bias.window if attention_bias is not None else 0
+        theoretical = theoretical_receptive_field(window, len(model.decoder.layers))
+        summary[label] = {"checkpoint": path, "length": args.length, "segments": args.num_segments, "mass": args.mass,
+                          "erf": field.erf, "support": field.support, "window": window,
+                          "layers": len(model.decoder.layers), "theoretical_receptive_field": theoretical}
+        cumulative = field.cumulative
+        rows.extend((label, k + 1, repr(float(field.shares[k])), repr(float(cumulative[k]))) for k in range(args.length))
+        series.append((label, cumulative, field.erf))
+        print(f"{label}: ERF {field.erf} of {args.length} tokens (mass {args.mass}, {args.num_segments} segments); "
+              f"gradient reaches {field.support} tokens"
+              + (f"; theoretical receptive field {theoretical}" if theoretical else ""))
+    write_csv(os.path.join(out, "receptive-field.csv"), ["model", "recent_tokens", "share", "cumulative"], rows)
+    write_json(os.path.join(out, "receptive-field.json"), summary)
+    png = os.path.join(out, "receptive-field.png")
+    draw(lambda: figures.receptive_field(series, args.mass, png), png)
+
+
+ANALYSES = {
+    "kernels": analyse_kernels,
+    "effective-length": analyse_effective_length,
+    "position-wise": analyse_position_wise,
+    "receptive-field": analyse_receptive_field,
+}
+
+
+def cli_main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        labels = check_arguments(args)
+        os.makedirs(args.out, exist_ok=True)
+        ANALYSES[args.analysis](args, labels, args.out)
+    except (UsageError, KernelConfigError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    cli_main()

@@ -1,0 +1,108 @@
+"""Drawing the analyses with matplotlib (the optional ``plots`` extra).
+
+Each function takes the numbers an analysis wrote and saves one PNG. Import
+:func:`pyplot` first: it raises :class:`PlotsUnavailable` when matplotlib is missing.
+"""
+
+import logging
+import os
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+
+INSTALL_HINT = ("pip install 'kerple-fairseq[plots]' (from a checkout: pip install -e '.[plots]'), "
+                "then rerun this command")
+
+
+class PlotsUnavailable(ImportError):
+    pass
+
+
+def pyplot():
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # fairseq's logging set-up lets its debug lines through
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise PlotsUnavailable(f"matplotlib is not installed, so no figure was drawn; for figures: {INSTALL_HINT}") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str) -> None:
+    partial = f"{path}.partial.png"
+    fig.savefig(partial, dpi=120, bbox_inches="tight")
+    pyplot().close(fig)
+    os.replace(partial, path)
+
+
+def kernels(panels: List[Tuple[str, np.ndarray]], path: str) -> None:
+    """One panel per checkpoint, one line per head: ``B_h(d)`` against ``d`` (finite part)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), sharey=True, squeeze=False)
+    for ax, (label, curves) in zip(axes[0], panels):
+        distance = np.arange(curves.shape[1])
+        for head, row in enumerate(curves):
+            finite = np.isfinite(row)
+            ax.plot(distance[finite], row[finite], lw=1.2, label=f"h{head + 1}")
+        ax.set_title(label)
+        ax.set_xlabel("distance d = i - j")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("bias B_h(d)")
+    axes[0][-1].legend(fontsize=7, ncol=2, loc="lower left")
+    _save(fig, path)
+
+
+def effective_length(series: List[Tuple[str, Sequence[Optional[int]]]], xs: np.ndarray, counts: List[np.ndarray],
+                     threshold: float, path: str) -> None:
+    """Number of heads with effective length ``<= x`` (KERPLE Fig. 6b), one step curve per checkpoint."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for (label, _), count in zip(series, counts):
+        ax.step(xs, count, where="post", label=label)
+    ax.set_xscale("symlog", linthresh=10)
+    ax.set_xlabel("distance x")
+    ax.set_ylabel(f"heads with effective length <= x\n(smallest d with B_h(d) < {threshold:g})")
+    ax.yaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    _save(fig, path)
+
+
+def position_wise(series: List[Tuple[str, str, np.ndarray, np.ndarray]], train_lengths: Sequence[int], length: int,
+                  path: str) -> None:
+    """Binned perplexity by position, ``(model, curve name, centres, ppl)`` per curve; a model's
+    second curve (its windowed reference) is dashed in the same colour."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    colours = {}
+    for model, name, centres, ppl in series:
+        reference = model in colours
+        colour = colours.setdefault(model, f"C{len(colours)}")
+        ax.plot(centres, ppl, color=colour, ls="--" if reference else "-", label=name)
+    for n in sorted(set(train_lengths)):
+        ax.axvline(n, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel(f"position in a block of L = {length} (dotted: training length)")
+    ax.set_ylabel("perplexity")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def receptive_field(series: List[Tuple[str, np.ndarray, int]], mass: float, path: str) -> None:
+    """Cumulative normalized gradient against the number of most recent tokens, ERF marked."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for label, cumulative, erf in series:
+        k = np.arange(1, len(cumulative) + 1)
+        (line,) = ax.plot(k, cumulative, label=f"{label} (ERF {erf})")
+        ax.plot([erf], [cumulative[erf - 1]], "o", color=line.get_color())
+    ax.axhline(mass, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_xlabel("most recent tokens k")
+    ax.set_ylabel("cumulative normalized gradient")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)

@@ -1,0 +1,74 @@
+"""A checkpoint's bias curves ``B_h(d)`` (KERPLE §5.4) and effective lengths (KERPLE A.5).
+
+The effective length of head ``h`` is the smallest distance ``d`` with ``B_h(d) < -2``:
+a bias of -2 scales a key's softmax weight by ``exp(-2) ~ 0.135``, so the head mostly
+ignores keys farther than that. Counting the heads whose effective length is ``<= x``
+for every ``x`` gives KERPLE's Figure 6b.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from kerple_fairseq.errors import KernelConfigError, UsageError
+from kerple_fairseq.evaluation.loading import load_checkpoint_state
+from kerple_fairseq.kernels import BiasKernel, build_kernel
+from kerple_fairseq.models.attention_bias import AttentionBias
+
+KERNEL_PREFIX = "decoder.attention_bias.kernel."
+EFFECTIVE_LENGTH_THRESHOLD = -2.0
+
+
+@dataclass
+class CheckpointKernel:
+    label: str
+    kernel: BiasKernel
+    window: int  # 0: none
+    num_layers: int
+    train_length: int
+
+    def curves(self, max_distance: int) -> np.ndarray:
+        """``[heads, max_distance + 1]`` float64 copy of the float32 ``B_h(d)``, ``-inf`` from the window on."""
+        with torch.no_grad():
+            return AttentionBias(self.kernel, self.window).per_distance(max_distance + 1).double().numpy()
+
+    def weight_curves(self, max_distance: int) -> Optional[np.ndarray]:
+        """``W_h(d)`` of a weight kernel, else None."""
+        if not self.kernel.has_weight:
+            return None
+        with torch.no_grad():
+            return self.kernel.weight(torch.arange(max_distance + 1, dtype=torch.float32)).double().numpy()
+
+
+def load_kernel(path: str, label: str) -> CheckpointKernel:
+    """The kernel of a kerple_fairseq checkpoint with its trained parameters; needs no data-bin."""
+    state = load_checkpoint_state(path)
+    cfg = state.get("cfg")
+    model_cfg = cfg["model"] if cfg is not None else None
+    name = getattr(model_cfg, "bias_kernel", None) if model_cfg is not None else None
+    if name is None:
+        arch = getattr(model_cfg, "_name", None) or getattr(model_cfg, "arch", "unknown")
+        raise UsageError(f"{path} is not a kerple_fairseq checkpoint (architecture {arch}); kernel analyses "
+                         "need a model trained with --user-dir kerple_fairseq")
+    try:
+        kernel = build_kernel(name, model_cfg.decoder_attention_heads, model_cfg)
+        weights = {k[len(KERNEL_PREFIX):]: v.float() for k, v in state["model"].items() if k.startswith(KERNEL_PREFIX)}
+        kernel.load_state_dict(weights)
+    except (KernelConfigError, RuntimeError) as e:
+        raise UsageError(f"cannot rebuild the {name} kernel of {path}: {str(e).splitlines()[0]}") from e
+    return CheckpointKernel(label, kernel.eval(), int(getattr(model_cfg, "attn_window", 0) or 0),
+                            int(model_cfg.decoder_layers), int(cfg["task"].tokens_per_sample))
+
+
+def effective_lengths(curves: np.ndarray, threshold: float = EFFECTIVE_LENGTH_THRESHOLD) -> List[Optional[int]]:
+    """Per head, the smallest distance with ``B_h(d) < threshold``; None if no distance in the curve has one."""
+    below = curves < threshold
+    return [int(np.argmax(row)) if row.any() else None for row in below]
+
+
+def heads_within(lengths: Sequence[Optional[int]], xs: np.ndarray) -> np.ndarray:
+    """For each ``x``: how many heads have an effective length ``<= x``."""
+    known = np.array([n for n in lengths if n is not None], dtype=np.int64)
+    return (known[None, :] <= np.asarray(xs)[:, None]).sum(axis=1)
