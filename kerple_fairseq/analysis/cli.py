@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints.add_argument("--labels", nargs="+", metavar="LABEL",
                              help="one name per checkpoint (default: each checkpoint's directory name)")
     checkpoints.add_argument("--out", default="analysis", metavar="DIR",
-                             help="directory for the figures and numbers (created if missing; default: analysis)")
+                             help="directory for the figures and numbers (created when they are written; default: analysis)")
     data = argparse.ArgumentParser(add_help=False)
     data.add_argument("data", help="the fairseq data-bin the models were trained with")
     data.add_argument("--gen-subset", default="valid", metavar="SPLIT", help="split to analyse (default: valid)")
@@ -102,6 +102,7 @@ def check_arguments(args) -> List[str]:
 
 
 def write_csv(path: str, header: List[str], rows) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     partial = f"{path}.partial"
     with open(partial, "w", newline="") as f:
         writer = csv.writer(f)
@@ -111,6 +112,7 @@ def write_csv(path: str, header: List[str], rows) -> None:
 
 
 def write_json(path: str, value) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     partial = f"{path}.partial"
     with open(partial, "w") as f:
         json.dump(value, f, indent=1)
@@ -248,7 +250,6 @@ def cli_main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     try:
         labels = check_arguments(args)
-        os.makedirs(args.out, exist_ok=True)
         ANALYSES[args.analysis](args, labels, args.out)
     except (UsageError, KernelConfigError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
