@@ -5,8 +5,9 @@ Reads WikiText-103 ``wiki.{train,valid,test}.tokens`` from ``--wikitext-dir`` (o
 ``WIKITEXT103_DIR`` variable), preprocesses them into ``data-bin/``, trains
 ``transformer_lm_alibi`` and ``transformer_lm_kerple`` with identical settings on CPU,
 scores the validation split with ``kerple-eval-lm`` under the early-token-cursed and
-last-token protocols at several lengths, and prints a perplexity table (also written as
-markdown and JSON).
+last-token protocols at several lengths, prints a perplexity table (also written as
+markdown and JSON), and ends with ``kerple-analyze``'s figures of both models: kernel
+curves, effective lengths, position-wise perplexity and receptive field.
 """
 
 import argparse
@@ -45,6 +46,8 @@ def parse_args():
     p.add_argument("--eval-lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048],
                    help="non-overlapping evaluation lengths")
     p.add_argument("--num-targets", type=int, default=200, help="targets of the last-token protocol")
+    p.add_argument("--num-segments", type=int, default=32,
+                   help="segments of the receptive-field analysis (at the largest evaluation length)")
     p.add_argument("--updates", type=int, default=500, help="training updates per model")
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per update")
     p.add_argument("--layers", type=int, default=2)
@@ -63,13 +66,13 @@ def stage(message):
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-def run(cmd, log=None):
-    """Run a fairseq command; its log goes to the terminal and, if given, to ``log``."""
+def run(cmd, log=None, show=lambda line: "train_inner" in line or "| train |" in line or line.startswith(PROTOCOL_LINES)):
+    """Run a command; the lines ``show`` picks go to the terminal, the whole log to ``log`` if given."""
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if "train_inner" in line or "| train |" in line or line.startswith(PROTOCOL_LINES):
+        if show(line):
             print("    " + line.rstrip().split(" | ", 1)[-1], flush=True)
     proc.wait()
     if log is not None:
@@ -110,6 +113,24 @@ def evaluate(args, data_bin: Path, checkpoint: Path, kernel: str) -> list:
     return json.loads(results.read_text())
 
 
+def analyse(args, data_bin: Path, checkpoints: dict) -> Path:
+    """kerple-analyze's four figures for both models, in ``<out>/analysis``."""
+    out = args.out / "analysis"
+    paths = ["--path", *checkpoints.values(), "--labels", *checkpoints, "--out", out]
+    on_data = [data_bin, "--length", max(args.eval_lengths), "--cpu", "--no-progress-bar", "--max-tokens", "16384"]
+    analyses = [
+        ["kernels", "--max-distance", max(args.eval_lengths)],
+        ["effective-length"],
+        ["position-wise", *on_data, "--windowed-reference"],
+        ["receptive-field", *on_data, "--num-segments", args.num_segments],
+    ]
+    for analysis in analyses:
+        stage(f"kerple-analyze {analysis[0]}")
+        run([sys.executable, REPO / "scripts" / "analyze.py", *analysis, *paths],
+            show=lambda line: line.startswith((*checkpoints, "kerple-analyze")))
+    return out
+
+
 def table(results: dict, lengths) -> str:
     rows = ["| kernel | protocol | " + " | ".join(f"L={n}" for n in lengths) + " |",
             "|---|---|" + "---|" * len(lengths)]
@@ -128,17 +149,17 @@ def main():
     missing = [f"wiki.{s}.tokens" for s in SPLITS if not (tokens_dir / f"wiki.{s}.tokens").is_file()]
     if missing:
         fail(f"{tokens_dir} lacks {', '.join(missing)}; " + NO_DATA.split(": ", 1)[1])
-    if any(n <= 0 for n in [args.train_length, args.updates, args.num_targets, *args.eval_lengths]):
-        fail("--train-length, --updates, --num-targets and --eval-lengths must be positive")
+    if any(n <= 0 for n in [args.train_length, args.updates, args.num_targets, args.num_segments, *args.eval_lengths]):
+        fail("--train-length, --updates, --num-targets, --num-segments and --eval-lengths must be positive")
     started = time.time()
     data_bin = args.data_bin or REPO / "data-bin" / tokens_dir.resolve().name
     try:
         preprocess(tokens_dir, data_bin, args.vocab_size, log=stage)
     except PrepareError as e:
         fail(str(e))
-    results = {}
+    results, checkpoints = {}, {}
     for kernel in KERNEL_ARCHS:
-        checkpoint = train(args, data_bin, kernel)
+        checkpoint = checkpoints[kernel] = train(args, data_bin, kernel)
         stage(f"evaluating {kernel} at lengths {', '.join(map(str, args.eval_lengths))}: early-token-cursed "
               f"(every token, non-overlapping blocks) and last-token ({args.num_targets} targets)")
         results[kernel] = evaluate(args, data_bin, checkpoint, kernel)
@@ -150,6 +171,9 @@ def main():
     (args.out / "results.md").write_text(text + "\n")
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     print("\n" + text + "\n")
+    figures = analyse(args, data_bin, checkpoints)
+    stage(f"figures and their numbers in {figures}: kernels, effective-length, position-wise, receptive-field "
+          "(.png with the plots extra, .csv; receptive-field.json)")
     stage(f"done in {(time.time() - started) / 60:.1f} min; results in {args.out}")
 
 

@@ -268,33 +268,39 @@ def test_without_matplotlib_the_numbers_are_written_and_the_fix_is_named(trained
     assert len(read_csv(tmp_path / "kernels.csv")) == 4 * 2049
 
 
-def one_line_error(proc, expected):
-    assert proc.returncode == 1
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("kerple-analyze: error:")]
-    assert len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
+def test_bad_input_through_the_installed_command(tmp_path):
+    proc = analyze("kernels", "--path", tmp_path / "missing.pt", "--out", tmp_path / "out", check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"kerple-analyze: error: checkpoint {tmp_path / 'missing.pt'} does not exist"
+    assert not (tmp_path / "out").exists()
 
 
-def test_bad_input(trained, data_bin, tmp_path):
+def test_bad_input(trained, data_bin, tmp_path, capsys):
+    from kerple_fairseq.analysis.cli import cli_main
+
     out = tmp_path / "out"
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(open(ckpt(trained, "alibi"), "rb").read()[:5000])
+    alibi, sinusoidal = ckpt(trained, "alibi"), ckpt(trained, "sinusoidal")
     cases = [
-        (["kernels", "--path", tmp_path / "missing.pt"], "does not exist"),
         (["kernels", "--path", corrupt], "cannot read checkpoint"),
-        (["kernels", "--path", ckpt(trained, "sinusoidal")], "not a kerple_fairseq checkpoint"),
-        (["kernels", "--path", ckpt(trained, "alibi"), ckpt(trained, "kerple_log"), "--labels", "x"],
+        (["kernels", "--path", sinusoidal], "not a kerple_fairseq checkpoint"),
+        (["kernels", "--path", alibi, ckpt(trained, "kerple_log"), "--labels", "x"],
          "--labels gives 1 names for 2 checkpoints"),
-        (["position-wise", tmp_path, "--path", ckpt(trained, "alibi"), "--length", "64"], "not a fairseq data-bin"),
-        (["position-wise", data_bin, "--path", ckpt(trained, "sinusoidal"), "--length", "64", "--windowed-reference"],
+        (["effective-length", "--path", alibi, alibi], "--labels must be distinct"),
+        (["position-wise", tmp_path, "--path", alibi, "--length", "64", "--cpu"], "not a fairseq data-bin"),
+        (["position-wise", data_bin, "--path", sinusoidal, "--length", "64", "--windowed-reference", "--cpu"],
          "needs a kerple_fairseq model"),
-        (["position-wise", data_bin, "--path", ckpt(trained, "learned"), "--length", "4096"],
+        (["position-wise", data_bin, "--path", ckpt(trained, "learned"), "--length", "4096", "--cpu"],
          "exceeds the 64 learned positional embeddings"),
-        (["receptive-field", data_bin, "--path", ckpt(trained, "alibi"), "--length", "64", "--mass", "1.5"],
+        (["receptive-field", data_bin, "--path", alibi, "--length", "64", "--mass", "1.5", "--cpu"],
          "--mass must be between 0 and 1"),
-        (["receptive-field", data_bin, "--path", ckpt(trained, "alibi"), "--length", "60000"], "targets"),
+        (["receptive-field", data_bin, "--path", alibi, "--length", "60000", "--cpu"], "targets"),
     ]
     for args, expected in cases:
-        one_line_error(analyze(*args, "--cpu", "--out", out, check=False) if args[0] != "kernels"
-                       else analyze(*args, "--out", out, check=False), expected)
-        assert not out.exists() or not any(out.iterdir()), "nothing written on bad input"
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main([str(a) for a in args] + ["--out", str(out)])
+        assert exit_info.value.code == 1
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kerple-analyze: error:")]
+        assert len(errors) == 1 and expected in errors[0], (args, errors)
+        assert not out.exists(), "nothing written on bad input"
