@@ -17,18 +17,30 @@ from torch import Tensor, nn
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels import BiasKernel
 
-FROZEN_CACHE_SIZE = 2  # per kind (bias, weight): each entry is heads x L x L
+FROZEN_CACHE_SIZE = 2  # per kind (bias, weight, and their per-distance lines): each entry is at most heads x L x L
 
 
-def toeplitz(per_distance: Tensor, query_len: int, key_len: int, future: float, dtype: torch.dtype) -> Tensor:
-    """``out[h, t, s] = per_distance[h, i - s]`` for ``s <= i`` and ``future`` for ``s > i``,
-    where ``i = key_len - query_len + t``; one ``[heads, queries, keys]`` allocation in ``dtype``."""
-    if not 0 < query_len <= key_len:
-        raise ValueError(f"need 0 < query_len <= key_len, got {query_len} and {key_len}")
-    # line[k] is the value at distance d = k - (query_len - 1): `future` for the future, then d = 0..key_len-1;
+def toeplitz(per_distance: Tensor, query_len: int, key_len: int, future: float, dtype: torch.dtype,
+             offset: Optional[int] = None) -> Tensor:
+    """``out[h, t, s] = per_distance[h, offset + t - s]``, or ``future`` where ``offset + t - s < 0``;
+    one ``[heads, queries, keys]`` allocation in ``dtype``.
+
+    ``offset`` is the position of the first query minus that of the first key; by default
+    ``key_len - query_len``: the queries are the last ``query_len`` of the keys' positions.
+    ``per_distance`` must cover distances up to ``offset + query_len - 1``.
+    """
+    if offset is None:
+        offset = key_len - query_len
+    if query_len <= 0 or key_len <= 0 or offset + query_len - 1 < 0:
+        raise ValueError(f"no query sees a key: query_len {query_len}, key_len {key_len}, offset {offset}")
+    # line[k] is the value at distance lowest + k, k = 0 .. query_len + key_len - 2;
     # cast once, then each query row is a reversed slice of it
-    ahead = per_distance.new_full((per_distance.size(0), query_len - 1), future)
-    line = torch.cat([ahead, per_distance], dim=1).to(dtype)
+    lowest, highest = offset - (key_len - 1), offset + query_len - 1
+    if highest >= per_distance.size(1):
+        raise ValueError(f"distances up to {highest} needed, {per_distance.size(1)} given")
+    values = per_distance[:, max(lowest, 0): highest + 1]
+    ahead = per_distance.new_full((per_distance.size(0), max(0, -lowest)), future)
+    line = torch.cat([ahead, values], dim=1).to(dtype)
     # row t, column s holds line[t + key_len - 1 - s]
     return line.flip(-1).unfold(-1, key_len, 1).flip(-2)
 
@@ -86,6 +98,19 @@ class AttentionBias(nn.Module):
 
     def build(self, query_len: int, key_len: int, dtype: torch.dtype, device) -> Tensor:
         return toeplitz(self.per_distance(key_len, device), query_len, key_len, float("-inf"), dtype)
+
+    def blocks(self, length: int, block_size: int) -> "BlockedBias":
+        """The bias of causal self-attention over ``length`` positions, handed out block by block."""
+        return BlockedBias(self, length, block_size)
+
+    def per_distance_line(self, kind: str, length: int, dtype: torch.dtype, device) -> Tensor:
+        """``per_distance`` (``kind`` "bias") or the kernel's weight ("weight") for distances
+        ``0 .. length - 1``, cast to ``dtype`` once; shared like the dense bias."""
+        if kind == "bias":
+            build = lambda q, k, dt, dev: self.per_distance(k, dev).to(dt)  # noqa: E731
+        else:
+            build = lambda q, k, dt, dev: self.kernel.weight(self._distances(k, dev)).to(dt)  # noqa: E731
+        return self._shared(f"{kind} line", build, 1, length, dtype, device)
 
     def per_distance(self, num_distances: int, device=None) -> Tensor:
         """``[heads, num_distances]`` float32: ``B_h(d)`` for ``d = 0 .. num_distances - 1``,
@@ -147,3 +172,42 @@ class AttentionBias(nn.Module):
 
     def extra_repr(self) -> str:
         return f"window={self.window}" if self.window else ""
+
+
+class BlockedBias:
+    """The causal bias (and weight) of self-attention over ``length`` positions without its
+    ``[heads, length, length]`` tensor: :meth:`block` lays out only the rows of a block of
+    queries against the keys they can see (from ``key_start``; with a window, the window).
+
+    The decoder's ``buffered_future_mask`` returns one for sequences longer than
+    ``--attention-block-size``, and :class:`KernelBiasedSelfAttention` computes attention
+    one block of queries at a time, so no ``L x L`` tensor exists and, with a window,
+    keys outside it are never touched.
+    """
+
+    def __init__(self, source: AttentionBias, length: int, block_size: int):
+        self.source = source
+        self.length = length
+        self.block_size = block_size
+
+    @property
+    def window(self) -> int:
+        return self.source.window
+
+    def spans(self):
+        """``(query_start, query_end, key_start)`` of each block; keys end where the queries do."""
+        for start in range(0, self.length, self.block_size):
+            end = min(start + self.block_size, self.length)
+            yield start, end, max(0, start - self.window + 1) if self.window else 0
+
+    def block(self, kind: str, query_start: int, query_end: int, key_start: int, dtype: torch.dtype, device) -> Tensor:
+        """``[heads, query_end - query_start, query_end - key_start]`` rows of the bias (``kind``
+        "bias", ``-inf`` for future keys) or the weight ("weight", 0 there)."""
+        line = self.source.per_distance_line(kind, self.length, dtype, device)
+        future = float("-inf") if kind == "bias" else 0.0
+        return toeplitz(line, query_end - query_start, query_end - key_start, future, dtype,
+                        offset=query_start - key_start)
+
+    def dense(self, dtype: torch.dtype, device) -> Tensor:
+        """The whole ``[heads, length, length]`` bias, for the paths that need it."""
+        return self.source(self.length, self.length, dtype, device)

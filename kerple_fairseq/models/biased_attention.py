@@ -8,6 +8,7 @@ from fairseq import utils
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
+from kerple_fairseq.models.attention_bias import BlockedBias
 from kerple_fairseq.models.rotary import RotaryEmbedding
 
 # (query_len, key_len, dtype, device) -> [heads, query_len, key_len]
@@ -19,7 +20,8 @@ class KernelBiasedSelfAttention(MultiheadAttention):
 
     ``attn_mask`` may be ``[queries, keys]`` (stock fairseq) or
     ``[heads, queries, keys]``; either is broadcast over the batch, never
-    copied per batch element. During incremental decoding fairseq passes no
+    copied per batch element. It may also be a :class:`BlockedBias` (long
+    sequences): attention is then computed one block of queries at a time. During incremental decoding fairseq passes no
     mask, so the bias for the new queries against all cached keys comes from
     ``bias_source(query_len, key_len, dtype, device)``. With a ``weight_source``
     (weight kernels), the scaled logits are multiplied by its weight before the
@@ -85,6 +87,11 @@ class KernelBiasedSelfAttention(MultiheadAttention):
             self._set_input_buffer(incremental_state, saved)
             if attn_mask is None:
                 attn_mask = self.bias_source(tgt_len, k.size(2), q.dtype, q.device)
+        if isinstance(attn_mask, BlockedBias):
+            if key_padding_mask is None and not before_softmax and not (need_weights or need_head_weights):
+                attn = self._attend_in_blocks(q, k, v, attn_mask)
+                return self.out_proj(attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)), None
+            attn_mask = attn_mask.dense(q.dtype, q.device)
         src_len = k.size(2)
 
         scores = torch.matmul(q, k.transpose(-1, -2))  # [B, H, T, S]
@@ -97,10 +104,8 @@ class KernelBiasedSelfAttention(MultiheadAttention):
         if before_softmax:
             return scores.reshape(bsz * heads, tgt_len, src_len), v.reshape(bsz * heads, src_len, head_dim)
 
-        probs_float = utils.softmax(scores, dim=-1, onnx_trace=self.onnx_trace)
-        probs = self.dropout_module(probs_float.type_as(scores))
-        attn = torch.matmul(probs, v).permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)
-        attn = self.out_proj(attn)
+        attn, probs_float = self._attend(scores, v)
+        attn = self.out_proj(attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim))
 
         weights: Optional[Tensor] = None
         if need_weights or need_head_weights:
@@ -108,3 +113,21 @@ class KernelBiasedSelfAttention(MultiheadAttention):
             if not need_head_weights:
                 weights = weights.mean(dim=0)
         return attn, weights
+
+    def _attend(self, scores: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+        """softmax (in float32 for half inputs), dropout, then the values: ``[B, H, T, D]`` and the probabilities."""
+        probs_float = utils.softmax(scores, dim=-1, onnx_trace=self.onnx_trace)
+        probs = self.dropout_module(probs_float.type_as(scores))
+        return torch.matmul(probs, v), probs_float
+
+    def _attend_in_blocks(self, q: Tensor, k: Tensor, v: Tensor, bias: BlockedBias) -> Tensor:
+        """Attention one block of queries at a time against the keys it can see: the largest score
+        tensor is ``[B, H, block, keys seen]``, and keys outside a window are skipped."""
+        pieces = []
+        for start, end, key_start in bias.spans():
+            scores = torch.matmul(q[:, :, start:end], k[:, :, key_start:end].transpose(-1, -2))
+            if self.weight_source is not None:
+                scores = scores * bias.block("weight", start, end, key_start, q.dtype, q.device)
+            scores += bias.block("bias", start, end, key_start, q.dtype, q.device)
+            pieces.append(self._attend(scores, v[:, :, key_start:end])[0])
+        return torch.cat(pieces, dim=2)

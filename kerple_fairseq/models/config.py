@@ -8,6 +8,8 @@ from fairseq.models.transformer_lm import TransformerLanguageModelConfig
 
 from kerple_fairseq.kernels import kernel_names, option_fields
 
+DEFAULT_BLOCK_SIZE = 1024
+
 
 def _make_config():
     plugin_fields = [
@@ -37,6 +39,19 @@ def _make_config():
                     "help": "each query sees only the W most recent keys (itself included); composes "
                     "with every kernel and can be set at evaluation only, e.g. "
                     "--model-overrides \"{'attn_window': 512}\" (KERPLE's 'windowed@512'); 0: no window"
+                },
+            ),
+        ),
+        (
+            "attention_block_size",
+            int,
+            field(
+                default=DEFAULT_BLOCK_SIZE,
+                metadata={
+                    "help": "sequences longer than this are attended one block of this many queries at a "
+                    "time, so no L x L bias or score tensor exists (with --attn-window W, blocks of at most "
+                    "max(W, 64) queries and only the keys inside the window); 0: always one L x L block. "
+                    "Changes memory and speed, not the result"
                 },
             ),
         ),

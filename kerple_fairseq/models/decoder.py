@@ -4,13 +4,17 @@ from fairseq.logging import metrics
 from fairseq.models.transformer import TransformerDecoder
 from fairseq.utils import safe_getattr
 
+from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels import build_kernel
 from kerple_fairseq.models.attention_bias import AttentionBias
+from kerple_fairseq.models.config import DEFAULT_BLOCK_SIZE
 from kerple_fairseq.models.biased_attention import KernelBiasedSelfAttention
 from kerple_fairseq.models.rotary import RotaryEmbedding
 
 # what max_positions() reports when nothing in the model limits the length
 UNBOUNDED_POSITIONS = 1 << 30
+# smallest block of queries with a window: smaller blocks cost more in per-block overhead than they save
+MIN_WINDOW_BLOCK = 64
 
 
 class KernelBiasedDecoder(TransformerDecoder):
@@ -28,6 +32,9 @@ class KernelBiasedDecoder(TransformerDecoder):
                          output_projection=output_projection)
         kernel = build_kernel(args.bias_kernel, args.decoder_attention_heads, args)
         self.attention_bias = AttentionBias(kernel, window=safe_getattr(args, "attn_window", 0))
+        self.block_size = safe_getattr(args, "attention_block_size", DEFAULT_BLOCK_SIZE)
+        if self.block_size < 0:
+            raise KernelConfigError(f"--attention-block-size must be >= 0 (0: no blocks), got {self.block_size}")
         head_dim = args.decoder_embed_dim // args.decoder_attention_heads
         rotary = RotaryEmbedding(head_dim) if safe_getattr(args, "rotary_embeddings", False) else None
         for layer in self.layers:
@@ -69,8 +76,22 @@ class KernelBiasedDecoder(TransformerDecoder):
                 metrics.log_scalar(f"kernel/{name}/h{head + 1}", per_head[head], priority=1000, round=4)
 
     def buffered_future_mask(self, tensor):
+        """The ``[heads, T, T]`` causal mask plus bias, or, for a sequence longer than one
+        attention block, a :class:`BlockedBias` that lays it out block by block."""
         length = tensor.size(0)
+        block = self.attention_block_size()
+        if 0 < block < length:
+            return self.attention_bias.blocks(length, block)
         return self.attention_bias(length, length, tensor.dtype, tensor.device)
+
+    def attention_block_size(self) -> int:
+        """Queries per attention block (0: no blocks): ``--attention-block-size``, or with a
+        window ``w`` at most ``max(w, MIN_WINDOW_BLOCK)``, so keys outside the window are skipped."""
+        block = self.block_size
+        window = self.attention_bias.window
+        if block > 0 and window > 0:
+            block = min(block, max(window, MIN_WINDOW_BLOCK))
+        return block
 
     def max_positions(self):
         """Token positional embeddings bound the length; a bias kernel does not."""

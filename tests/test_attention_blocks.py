@@ -1,0 +1,109 @@
+"""Attention in blocks of queries (long sequences, windows): the same function as one L x L block,
+gradients included, without building the [heads, L, L] bias."""
+
+import pytest
+import torch
+
+from helpers import VOCAB, tiny_model
+from kerple_fairseq.models.attention_bias import AttentionBias, BlockedBias
+
+CASES = [
+    ("kerple_log", []), ("kerple_power", []), ("kerple_bias_wht", []), ("alibi_rf", ["--alibi-rf-learnable-rho"]),
+    ("t5", []), ("sandwich", []), ("alibi", []), ("alibi", ["--attn-window", "70"]),
+    ("window", ["--attn-window", "5"]), ("kerple_log", ["--attn-window", "1"]),
+    ("none", ["--rotary-embeddings", "--attn-window", "7"]),
+]
+
+
+def loss_and_gradients(model, tokens, targets):
+    model.zero_grad()
+    logits, _ = model(tokens)
+    lprobs = torch.log_softmax(logits, dim=-1)
+    loss = -lprobs.gather(-1, targets[..., None]).sum()
+    loss.backward()
+    return lprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def pair(kernel, flags, block):
+    """The same float64 model with one L x L block and with blocks of `block` queries."""
+    torch.manual_seed(0)
+    dense = tiny_model(kernel, *flags, "--attention-block-size", "0").double()
+    blocked = tiny_model(kernel, *flags, "--attention-block-size", str(block)).double()
+    blocked.load_state_dict(dense.state_dict())
+    with torch.no_grad():  # kernel parameters away from their initial values
+        for a, b in zip(dense.decoder.attention_bias.parameters(), blocked.decoder.attention_bias.parameters()):
+            a.add_(0.3 * torch.randn_like(a))
+            b.copy_(a)
+    return dense.train(), blocked.train()
+
+
+@pytest.mark.parametrize("kernel,flags", CASES, ids=lambda c: c if isinstance(c, str) else "-".join(c) or "plain")
+def test_blocks_equal_one_block_with_gradients(kernel, flags):
+    dense, blocked = pair(kernel, flags, 16)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(4, VOCAB + 4, (2, 100), generator=g)
+    targets = torch.randint(4, VOCAB + 4, (2, 100), generator=g)
+    assert isinstance(blocked.decoder.buffered_future_mask(torch.zeros(100, 1, 1)), BlockedBias)
+
+    built = []
+    original = AttentionBias.build
+    AttentionBias.build = lambda self, *a: built.append(a) or original(self, *a)
+    try:
+        blocked_out, blocked_grads = loss_and_gradients(blocked, tokens, targets)
+    finally:
+        AttentionBias.build = original
+    assert built == [], "no [heads, L, L] bias is built on the blocked path"
+    dense_out, dense_grads = loss_and_gradients(dense, tokens, targets)
+
+    torch.testing.assert_close(blocked_out, dense_out, rtol=0, atol=1e-10)
+    assert blocked_grads.keys() == dense_grads.keys()
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(blocked_grads[name], grad, rtol=1e-9, atol=1e-10, msg=name)
+    kernel_grads = [n for n in dense_grads if "attention_bias" in n]
+    assert bool(kernel_grads) == any(p.requires_grad for p in dense.decoder.attention_bias.parameters())
+
+
+def test_blocks_in_float32_and_half_are_close_to_one_block():
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 0.1)):
+        torch.manual_seed(0)
+        dense = tiny_model("kerple_log", "--attention-block-size", "0").eval().to(dtype)
+        blocked = tiny_model("kerple_log", "--attention-block-size", "64").eval().to(dtype)
+        blocked.load_state_dict(dense.state_dict())
+        tokens = torch.randint(4, VOCAB + 4, (1, 300))
+        with torch.no_grad():
+            a = torch.log_softmax(dense(tokens)[0].float(), -1)
+            b = torch.log_softmax(blocked(tokens)[0].float(), -1)
+        assert torch.isfinite(b).all()
+        assert (a - b).abs().max().item() < tolerance
+
+
+def test_padding_falls_back_to_one_block():
+    dense, blocked = pair("kerple_log", [], 16)
+    tokens = torch.randint(4, VOCAB + 4, (2, 60))
+    tokens[1, -5:] = 1  # fairseq's padding symbol: keys to mask per batch element
+    dense.eval(), blocked.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(blocked(tokens)[0], dense(tokens)[0], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("window,length", [(1, 200), (8, 512), (100, 1000), (3000, 2500)])
+def test_window_blocks_touch_only_keys_inside_the_window(window, length):
+    model = tiny_model("alibi", "--attn-window", str(window), "--attention-block-size", "256")
+    block = model.decoder.attention_block_size()
+    assert block == min(256, max(window, 64))
+    spans = list(model.decoder.buffered_future_mask(torch.zeros(length, 1, 1)).spans())
+    assert [s for s, _, _ in spans] == list(range(0, length, block)) and spans[-1][1] == length
+    for start, end, key_start in spans:
+        assert key_start == max(0, start - window + 1), "the first key the block's first query sees"
+        assert end - key_start <= block + window - 1
+    seen = sum((end - start) * (end - key_start) for start, end, key_start in spans)
+    assert seen <= length * (block + window - 1)
+    if block + window - 1 < length / 2:
+        assert seen < length * length / 2, "most of the L x L scores are never computed"
+
+
+def test_block_size_must_not_be_negative():
+    from kerple_fairseq.errors import KernelConfigError
+
+    with pytest.raises(KernelConfigError, match="--attention-block-size must be >= 0"):
+        tiny_model("alibi", "--attention-block-size", "-1")

@@ -1,0 +1,28 @@
+"""scripts/benchmark.py --quick: every model, length and phase timed against `none` in one run,
+and memory measured per model (the figures themselves are for the README, not asserted)."""
+
+import json
+import sys
+
+import pytest
+
+from conftest import REPO, run
+
+
+def test_quick_benchmark_reports_ratios_to_none(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run([sys.executable, REPO / "scripts" / "benchmark.py", "--quick", "--cpu", "--json", out])
+    results = json.loads(out.read_text())
+    models = ["none", "sinusoidal", "alibi", "kerple_log"]
+    timing = results["timing"]
+    assert {(r["phase"], r["length"], r["model"]) for r in timing} == \
+        {(p, n, m) for p in ("train", "eval") for n in (128, 256) for m in models}
+    for r in timing:
+        none = next(x for x in timing if (x["phase"], x["length"], x["model"]) == (r["phase"], r["length"], "none"))
+        assert r["ratio"] == pytest.approx(r["ms"] / none["ms"])
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["length"] / (r["ms"] / 1000))
+        assert r["ms"] > 0
+    memory = results["memory"]
+    assert [(r["length"], r["model"]) for r in memory] == [(2048, m) for m in models]
+    assert all(r["peak_mib"] > 0 for r in memory) and memory[0]["ratio"] == 1.0
+    assert "x1.000" in proc.stdout and "memory L=2048" in proc.stdout
