@@ -112,20 +112,27 @@ def test_protocol_all_and_position_wise_file(trained, data_bin, tmp_path):
     assert int(by_length[64][0]["count"]) in (full_blocks, full_blocks + 1)
 
 
-def test_long_length_without_a_batch_sized_bias(trained, data_bin, tmp_path, monkeypatch):
-    """L = 8192 on CPU: the bias the layers share is [heads, L, L], never per batch element."""
+def test_long_length_without_an_l_by_l_tensor(trained, data_bin, tmp_path, monkeypatch):
+    """L = 8192 on CPU without any L x L tensor: the layers share one per-distance line, laid out
+    block by block (blocks of 1024 queries); only a block of at most 1024 tokens gets a dense bias."""
     from kerple_fairseq.evaluation.cli import cli_main
     from kerple_fairseq.models.attention_bias import AttentionBias
 
-    shapes = []
-    build = AttentionBias.build
+    dense, lines = [], []
+    build, line = AttentionBias.build, AttentionBias.per_distance_line
 
     def recording_build(self, *args):
         mask = build(self, *args)
-        shapes.append(tuple(mask.shape))
+        dense.append(tuple(mask.shape))
         return mask
 
+    def recording_line(self, *args):
+        values = line(self, *args)
+        lines.append(tuple(values.shape))
+        return values
+
     monkeypatch.setattr(AttentionBias, "build", recording_build)
+    monkeypatch.setattr(AttentionBias, "per_distance_line", recording_line)
     results = tmp_path / "r.json"
     with pytest.raises(SystemExit) as exit_info:
         cli_main([str(data_bin), "--path", str(ckpt(trained, "alibi")), "--gen-subset", "valid", "--cpu",
@@ -133,8 +140,9 @@ def test_long_length_without_a_batch_sized_bias(trained, data_bin, tmp_path, mon
     assert exit_info.value.code == 0
     record = json.load(open(results))[0]
     assert record["length"] == 8192 and math.isfinite(record["ppl"])
-    assert shapes and all(len(s) == 3 and s[0] == 4 for s in shapes)
-    assert (4, 8192, 8192) in shapes
+    assert record["num_tokens"] > 2 * 8192
+    assert (4, 8192) in lines and all(h == 4 and n > 1024 for h, n in lines), "[heads, L] lines, never [heads, L, L]"
+    assert all(s[0] == 4 and s[1] == s[2] <= 1024 for s in dense), dense
 
 
 def test_learned_positions_beyond_their_table_fail_clearly(trained, data_bin, tmp_path):
