@@ -9,21 +9,22 @@ every model in turn, so drift on a shared machine hits all of them alike; the me
 ``--repeats`` rounds is reported with its ratio to ``none`` measured in the same run.
 
 Peak memory of one evaluation forward at each ``--memory-lengths`` is measured in a fresh
-child process per model (CPU: peak RSS above the RSS before the forward; CUDA: max allocated).
+child process per model (CPU: peak RSS above the RSS before the forward, the peak reset just
+before it; CUDA: max allocated above the allocation before it).
 
-    python scripts/benchmark.py            # the full table (about 15 minutes on 2 CPU cores)
+    python scripts/benchmark.py            # the full tables (about 15 minutes on 2 CPU cores)
     python scripts/benchmark.py --quick    # a smaller table (under 2 minutes)
 """
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,8 +50,14 @@ def parse_args(argv=None):
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048], help="sequence lengths timed")
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch (batch = tokens / length)")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per model and length (median reported)")
-    p.add_argument("--memory-lengths", type=int, nargs="*", default=[2048, 8192],
-                   help="lengths of the one-sequence evaluation forwards whose peak memory is measured")
+    p.add_argument("--memory-lengths", type=int, nargs="*", default=[2048, 4096, 8192],
+                   help="lengths of the one-sequence evaluation forwards whose peak memory is measured; with "
+                   "three or more, a quadratic fit estimates the longest sequence that fits in --memory-budget")
+    p.add_argument("--memory-budget", type=float, default=16.0, help="GiB for that estimate (default: 16)")
+    p.add_argument("--generate", type=int, nargs="*", default=[1024, 4096, 16384], metavar="N",
+                   help="generate max(N) tokens one at a time with ALiBi, with and without --max-cache-window, "
+                   "and report tokens/s over the first N of each")
+    p.add_argument("--max-cache-window", type=int, default=1024, help="the trimmed cache of --generate")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
@@ -66,6 +73,7 @@ def parse_args(argv=None):
     if args.quick:
         args.models = [m for m in DEFAULT_MODELS if m in ("none", "sinusoidal", "alibi", "kerple_log")]
         args.lengths, args.repeats, args.memory_lengths, args.batch_tokens = [128, 256], 3, [2048], 2048
+        args.generate, args.max_cache_window = [256, 512], 128
     return args
 
 
@@ -138,9 +146,19 @@ def time_all(models, args, device):
     return rows
 
 
-def rss_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+def rss_bytes(field="VmRSS"):
+    """The process's resident memory now ("VmRSS") or at its peak ("VmHWM"), from /proc (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss():
+    """Start the peak (VmHWM) afresh, so model building and imports do not count."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def measure_memory(name, length, args, device):
@@ -154,8 +172,9 @@ def measure_memory(name, length, args, device):
         peak = torch.cuda.max_memory_allocated() - before
     else:
         before = rss_bytes()
+        reset_peak_rss()
         eval_forward(model, tokens)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        peak = rss_bytes("VmHWM") - before
     print(json.dumps({"model": name, "length": length, "peak_bytes": peak}))
 
 
@@ -180,6 +199,46 @@ def memory_all(args):
     return rows
 
 
+def largest_fitting(rows, budget_bytes):
+    """Per model, the longest sequence whose fitted peak memory (a + b L + c L^2) stays within budget."""
+    estimates = {}
+    for name in dict.fromkeys(r["model"] for r in rows):
+        points = [(r["length"], r["peak_mib"] * 2 ** 20) for r in rows if r["model"] == name]
+        if len(points) < 3:
+            continue
+        lengths, peaks = zip(*points)
+        c, b, a = np.polyfit(lengths, peaks, 2)
+        grid = np.arange(1024, 1 << 22, 1024, dtype=np.float64)
+        fits = grid[a + b * grid + max(c, 0.0) * grid ** 2 <= budget_bytes]
+        estimates[name] = int(fits[-1]) if fits.size else None
+    return estimates
+
+
+def generation(args, device):
+    """ALiBi generating one token at a time: tokens/s over the first N tokens, trimmed cache vs full."""
+    rows = []
+    longest = max(args.generate)
+    for cache in (args.max_cache_window, 0):
+        saved = args.model_args
+        args.model_args = saved + (["--max-cache-window", str(cache)] if cache else [])
+        model = build("alibi", args, device).eval()
+        args.model_args = saved
+        tokens = torch.randint(4, args.vocab + 4, (1, longest), device=device)
+        state, marks = {}, {}
+        start = time.perf_counter()
+        with torch.no_grad():
+            for end in range(1, longest + 1):
+                model(tokens[:, :end], incremental_state=state)
+                if end in args.generate:
+                    sync(device)
+                    marks[end] = time.perf_counter() - start
+        for n, seconds in sorted(marks.items()):
+            label = f"cache {cache}" if cache else "full cache"
+            rows.append({"cache": cache, "tokens": n, "tokens_per_s": n / seconds})
+            print(f"generate {n:<7} tokens, {label:<11} {n / seconds:8.1f} tok/s", flush=True)
+    return rows
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
@@ -197,6 +256,11 @@ def main(argv=None):
                "device": str(device), "timing": time_all(models, args, device)}
     del models
     results["memory"] = memory_all(args)
+    results["largest_length"] = largest_fitting(results["memory"], args.memory_budget * 2 ** 30)
+    for name, length in results["largest_length"].items():
+        print(f"memory: {name:<14} fits up to L = {length} in {args.memory_budget:g} GiB "
+              "(quadratic fit of the measured peaks; evaluation, one sequence)", flush=True)
+    results["generation"] = generation(args, device) if args.generate else []
     print(f"done in {time.time() - started:.0f} s", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

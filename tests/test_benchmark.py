@@ -26,3 +26,7 @@ def test_quick_benchmark_reports_ratios_to_none(tmp_path):
     assert [(r["length"], r["model"]) for r in memory] == [(2048, m) for m in models]
     assert all(r["peak_mib"] > 0 for r in memory) and memory[0]["ratio"] == 1.0
     assert "x1.000" in proc.stdout and "memory L=2048" in proc.stdout
+    assert results["largest_length"] == {}, "one memory length: no fit"
+    generation = results["generation"]
+    assert [(r["cache"], r["tokens"]) for r in generation] == [(128, 256), (128, 512), (0, 256), (0, 512)]
+    assert all(r["tokens_per_s"] > 0 for r in generation)

@@ -4,6 +4,7 @@ per-head weight) on every path, incremental decoding included."""
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from fairseq import utils
 from fairseq.modules import MultiheadAttention
 from torch import Tensor
@@ -27,19 +28,27 @@ class KernelBiasedSelfAttention(MultiheadAttention):
     (weight kernels), the scaled logits are multiplied by its weight before the
     mask is added, on every path. With ``rotary``, queries and keys are rotated
     by their absolute positions (cached keys keep theirs). The key/value cache
-    has fairseq's layout, so beam-search reordering works unchanged.
+    has fairseq's layout, so beam-search reordering works unchanged. With
+    ``max_cache_window = w`` the cache keeps only the last ``w`` keys and values
+    (Sandwich App. B) and the new queries attend as under a window of ``w``.
+    Where only the attended values are needed (no weights returned, no key
+    padding, no weight kernel) and ``fused`` is on, attention runs through
+    PyTorch's ``scaled_dot_product_attention`` with the bias as its mask.
 
     Parameters and state-dict keys are those of :class:`MultiheadAttention`.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, bias_source: BiasSource,
                  weight_source: Optional[BiasSource] = None, rotary: Optional[RotaryEmbedding] = None,
-                 dropout: float = 0.0, q_noise: float = 0.0, qn_block_size: int = 8):
+                 max_cache_window: int = 0, fused: bool = True, dropout: float = 0.0, q_noise: float = 0.0,
+                 qn_block_size: int = 8):
         super().__init__(embed_dim, num_heads, dropout=dropout, self_attention=True,
                          q_noise=q_noise, qn_block_size=qn_block_size)
         self.bias_source = bias_source
         self.weight_source = weight_source
         self.rotary = rotary
+        self.max_cache_window = max_cache_window
+        self.fused = fused
 
     def forward(
         self,
@@ -67,9 +76,9 @@ class KernelBiasedSelfAttention(MultiheadAttention):
         v = split_heads(self.v_proj(query))
 
         saved = self._get_input_buffer(incremental_state) if incremental_state is not None else {}
+        seen = int(saved["positions_seen"][0]) if "positions_seen" in saved else 0
         if self.rotary is not None:
-            cached = saved["prev_key"].size(2) if "prev_key" in saved else 0
-            q, k = self.rotary(q, k, offset=cached)
+            q, k = self.rotary(q, k, offset=seen)
 
         if incremental_state is not None:
             if "prev_key" in saved:
@@ -82,16 +91,31 @@ class KernelBiasedSelfAttention(MultiheadAttention):
                 src_len=k.size(2),
                 static_kv=False,
             )
+            window = self.max_cache_window
+            if window and tgt_len > 1:
+                raise ValueError("--max-cache-window decodes one token per step, as fairseq's incremental "
+                                 f"decoding does ({tgt_len} given)")
+            if window and k.size(2) > window:
+                # the new query sees the last `window` keys; older ones are never needed again
+                k, v = k[:, :, -window:], v[:, :, -window:]
+                if key_padding_mask is not None:
+                    key_padding_mask = key_padding_mask[:, -window:]
             saved["prev_key"], saved["prev_value"] = k, v
             saved["prev_key_padding_mask"] = key_padding_mask
+            # a [batch] tensor, so fairseq's beam reordering (index_select on dim 0) carries it along
+            saved["positions_seen"] = torch.full((bsz,), seen + tgt_len, dtype=torch.long, device=q.device)
             self._set_input_buffer(incremental_state, saved)
             if attn_mask is None:
                 attn_mask = self.bias_source(tgt_len, k.size(2), q.dtype, q.device)
+        only_values = key_padding_mask is None and not before_softmax and not (need_weights or need_head_weights)
         if isinstance(attn_mask, BlockedBias):
-            if key_padding_mask is None and not before_softmax and not (need_weights or need_head_weights):
+            if only_values:
                 attn = self._attend_in_blocks(q, k, v, attn_mask)
                 return self.out_proj(attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)), None
             attn_mask = attn_mask.dense(q.dtype, q.device)
+        if only_values and self.can_fuse():
+            attn = self._fused(q, k, v, attn_mask)
+            return self.out_proj(attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)), None
         src_len = k.size(2)
 
         scores = torch.matmul(q, k.transpose(-1, -2))  # [B, H, T, S]
@@ -120,11 +144,29 @@ class KernelBiasedSelfAttention(MultiheadAttention):
         probs = self.dropout_module(probs_float.type_as(scores))
         return torch.matmul(probs, v), probs_float
 
+    def can_fuse(self) -> bool:
+        """PyTorch's fused ``scaled_dot_product_attention`` takes an additive mask, not a weight."""
+        return self.fused and self.weight_source is None
+
+    def _fused(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+        """softmax(q k^T + mask) v by ``scaled_dot_product_attention`` (q is already scaled). The
+        mask goes in as ``[1, H, T, S]`` (or ``[1, 1, T, S]``): a 4-D mask lets the CPU and CUDA
+        fused kernels run, where a 3-D one falls back to PyTorch's unfused reference."""
+        if mask is not None:
+            mask = mask.to(q.dtype)
+            mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=1.0)
+
     def _attend_in_blocks(self, q: Tensor, k: Tensor, v: Tensor, bias: BlockedBias) -> Tensor:
         """Attention one block of queries at a time against the keys it can see: the largest score
         tensor is ``[B, H, block, keys seen]``, and keys outside a window are skipped."""
         pieces = []
         for start, end, key_start in bias.spans():
+            if self.can_fuse():
+                mask = bias.block("bias", start, end, key_start, q.dtype, q.device)
+                pieces.append(self._fused(q[:, :, start:end], k[:, :, key_start:end], v[:, :, key_start:end], mask))
+                continue
             scores = torch.matmul(q[:, :, start:end], k[:, :, key_start:end].transpose(-1, -2))
             if self.weight_source is not None:
                 scores = scores * bias.block("weight", start, end, key_start, q.dtype, q.device)

@@ -56,6 +56,31 @@ def _make_config():
             ),
         ),
         (
+            "max_cache_window",
+            int,
+            field(
+                default=0,
+                metadata={
+                    "help": "incremental decoding (generation) keeps only the last W keys and values per "
+                    "layer, so each new token costs O(W) (Sandwich App. B); the model then attends as with "
+                    "--attn-window W. Set it at generation time: --model-overrides \"{'max_cache_window': W}\"; "
+                    "0: keep every key"
+                },
+            ),
+        ),
+        (
+            "unfused_attention",
+            bool,
+            field(
+                default=False,
+                metadata={
+                    "help": "compute attention with explicit matmul and softmax instead of PyTorch's fused "
+                    "scaled_dot_product_attention (used by default wherever the kernel has no weight); "
+                    "the reference path, for checks and speed comparisons"
+                },
+            ),
+        ),
+        (
             "rotary_embeddings",
             bool,
             field(

@@ -37,6 +37,9 @@ class KernelBiasedDecoder(TransformerDecoder):
             raise KernelConfigError(f"--attention-block-size must be >= 0 (0: no blocks), got {self.block_size}")
         head_dim = args.decoder_embed_dim // args.decoder_attention_heads
         rotary = RotaryEmbedding(head_dim) if safe_getattr(args, "rotary_embeddings", False) else None
+        max_cache_window = safe_getattr(args, "max_cache_window", 0)
+        if max_cache_window < 0:
+            raise KernelConfigError(f"--max-cache-window must be >= 0 (0: keep every key), got {max_cache_window}")
         for layer in self.layers:
             stock = layer.self_attn
             layer.self_attn = KernelBiasedSelfAttention(
@@ -45,6 +48,8 @@ class KernelBiasedDecoder(TransformerDecoder):
                 bias_source=self.attention_bias.forward,
                 weight_source=self.attention_bias.weight if kernel.has_weight else None,
                 rotary=rotary,
+                max_cache_window=max_cache_window,
+                fused=not safe_getattr(args, "unfused_attention", False),
                 dropout=args.attention_dropout,
                 q_noise=args.quant_noise_pq,
                 qn_block_size=args.quant_noise_pq_block_size,
