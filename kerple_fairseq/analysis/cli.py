@@ -25,16 +25,10 @@ from kerple_fairseq.analysis.kernel_curves import effective_lengths, heads_withi
 from kerple_fairseq.analysis.position_wise import binned_perplexity, position_wise_loss
 from kerple_fairseq.analysis.receptive_field import receptive_field, theoretical_receptive_field
 from kerple_fairseq.errors import KernelConfigError, UsageError
+from kerple_fairseq.evaluation.cli import positive_int
 from kerple_fairseq.evaluation.loading import length_limit, load_language_model, token_stream
 
 PROG = "kerple-analyze"
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -39,7 +39,7 @@ class CheckpointKernel:
         if not self.kernel.has_weight:
             return None
         with torch.no_grad():
-            return self.kernel.weight(torch.arange(max_distance + 1, dtype=torch.float32)).double().numpy()
+            return AttentionBias(self.kernel, self.window).weight_per_distance(max_distance + 1).double().numpy()
 
 
 def load_kernel(path: str, label: str) -> CheckpointKernel:

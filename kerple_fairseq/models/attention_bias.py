@@ -106,11 +106,8 @@ class AttentionBias(nn.Module):
     def per_distance_line(self, kind: str, length: int, dtype: torch.dtype, device) -> Tensor:
         """``per_distance`` (``kind`` "bias") or the kernel's weight ("weight") for distances
         ``0 .. length - 1``, cast to ``dtype`` once; shared like the dense bias."""
-        if kind == "bias":
-            build = lambda q, k, dt, dev: self.per_distance(k, dev).to(dt)  # noqa: E731
-        else:
-            build = lambda q, k, dt, dev: self.kernel.weight(self._distances(k, dev)).to(dt)  # noqa: E731
-        return self._shared(f"{kind} line", build, 1, length, dtype, device)
+        values = self.per_distance if kind == "bias" else self.weight_per_distance
+        return self._shared(f"{kind} line", lambda q, k, dt, dev: values(k, dev).to(dt), 1, length, dtype, device)
 
     def per_distance(self, num_distances: int, device=None) -> Tensor:
         """``[heads, num_distances]`` float32: ``B_h(d)`` for ``d = 0 .. num_distances - 1``,
@@ -122,8 +119,11 @@ class AttentionBias(nn.Module):
         return values
 
     def build_weight(self, query_len: int, key_len: int, dtype: torch.dtype, device) -> Tensor:
-        per_distance = self.kernel.weight(self._distances(key_len, device))
-        return toeplitz(per_distance, query_len, key_len, 0.0, dtype)
+        return toeplitz(self.weight_per_distance(key_len, device), query_len, key_len, 0.0, dtype)
+
+    def weight_per_distance(self, num_distances: int, device=None) -> Tensor:
+        """``[heads, num_distances]`` float32: the weight kernel's ``W_h(d)`` for ``d = 0 .. num_distances - 1``."""
+        return self.kernel.weight(self._distances(num_distances, device))
 
     @staticmethod
     def _distances(key_len: int, device) -> Tensor:
