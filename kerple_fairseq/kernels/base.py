@@ -33,6 +33,8 @@ class BiasKernel(nn.Module):
     encodes_position: ClassVar[bool] = True
     #: the kernel is meaningless without ``--attn-window``
     requires_window: ClassVar[bool] = False
+    #: every parameter has ``num_heads`` elements and element ``h`` shapes head ``h``'s bias alone
+    per_head_parameters: ClassVar[bool] = False
 
     def __init__(self, num_heads: int):
         super().__init__()

@@ -30,6 +30,7 @@ class LearnableKernel(BiasKernel):
     """
 
     options = LearnableKernelOptions
+    per_head_parameters = True
 
     def __init__(self, num_heads: int, kernel_param_floor: float = 1e-2):
         super().__init__(num_heads)

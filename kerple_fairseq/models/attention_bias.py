@@ -41,8 +41,13 @@ def toeplitz(per_distance: Tensor, query_len: int, key_len: int, future: float, 
     values = per_distance[:, max(lowest, 0): highest + 1]
     ahead = per_distance.new_full((per_distance.size(0), max(0, -lowest)), future)
     line = torch.cat([ahead, values], dim=1).to(dtype)
-    # row t, column s holds line[t + key_len - 1 - s]
-    return line.flip(-1).unfold(-1, key_len, 1).flip(-2)
+    # row t, column s holds line[t + key_len - 1 - s]: row r of `rows` is row query_len - 1 - r
+    rows = line.flip(-1).unfold(-1, key_len, 1)
+    if query_len != key_len:
+        # flip lays its output out after its input's overlapping strides, which for a non-square
+        # block leaves each row strided (and attention then copies it again); copy rows first
+        rows = rows.contiguous()
+    return rows.flip(-2)
 
 
 class AttentionBias(nn.Module):
@@ -104,17 +109,40 @@ class AttentionBias(nn.Module):
         return BlockedBias(self, length, block_size)
 
     def per_distance_line(self, kind: str, length: int, dtype: torch.dtype, device) -> Tensor:
-        """``per_distance`` (``kind`` "bias") or the kernel's weight ("weight") for distances
-        ``0 .. length - 1``, cast to ``dtype`` once; shared like the dense bias."""
-        values = self.per_distance if kind == "bias" else self.weight_per_distance
+        """``per_distance`` (``kind`` "bias"), the kernel's weight ("weight") or the bias's
+        ``tangents`` ("tangents") for distances ``0 .. length - 1``, cast to ``dtype`` once;
+        shared like the dense bias."""
+        values = {"bias": self.per_distance, "weight": self.weight_per_distance, "tangents": self.tangents}[kind]
         return self._shared(f"{kind} line", lambda q, k, dt, dev: values(k, dev).to(dt), 1, length, dtype, device)
 
     def per_distance(self, num_distances: int, device=None) -> Tensor:
         """``[heads, num_distances]`` float32: ``B_h(d)`` for ``d = 0 .. num_distances - 1``,
         ``-inf`` from the window on."""
         distances = self._distances(num_distances, device)
-        values = self.kernel(distances)
-        if 0 < self.window < num_distances:
+        return self._windowed(self.kernel(distances), distances)
+
+    def tangents(self, num_distances: int, device=None) -> Tensor:
+        """``[parameters, heads, num_distances]`` float32: ``dB_h(d) / dp_h`` for each of the
+        kernel's parameters ``p`` (in ``kernel.parameters()`` order), 0 from the window on.
+
+        Only for kernels with ``per_head_parameters``: one forward-mode derivative per parameter
+        (all heads at once, each head's element moving only its own head's bias)."""
+        if not self.kernel.per_head_parameters:
+            raise TypeError(f"bias kernel {self.kernel.name!r} does not have per-head parameters")
+        distances = self._distances(num_distances, device)
+        names, values = zip(*((name, p.detach()) for name, p in self.kernel.named_parameters()))
+
+        def bias(*parameters):
+            return self._windowed(torch.func.functional_call(self.kernel, dict(zip(names, parameters)), (distances,)),
+                                  distances)
+
+        def along(index):
+            return tuple(torch.ones_like(v) if i == index else torch.zeros_like(v) for i, v in enumerate(values))
+
+        return torch.stack([torch.func.jvp(bias, values, along(i))[1] for i in range(len(values))])
+
+    def _windowed(self, values: Tensor, distances: Tensor) -> Tensor:
+        if 0 < self.window < distances.numel():
             values = values.masked_fill(distances >= self.window, float("-inf"))
         return values
 

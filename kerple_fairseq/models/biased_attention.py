@@ -10,6 +10,7 @@ from fairseq.modules import MultiheadAttention
 from torch import Tensor
 
 from kerple_fairseq.models.attention_bias import BlockedBias
+from kerple_fairseq.models.fused_kernel_gradient import FusedKernelGradient
 from kerple_fairseq.models.rotary import RotaryEmbedding
 
 # (query_len, key_len, dtype, device) -> [heads, query_len, key_len]
@@ -33,15 +34,18 @@ class KernelBiasedSelfAttention(MultiheadAttention):
     (Sandwich App. B) and the new queries attend as under a window of ``w``.
     Where only the attended values are needed (no weights returned, no key
     padding, no weight kernel) and ``fused`` is on, attention runs through
-    PyTorch's ``scaled_dot_product_attention`` with the bias as its mask.
+    PyTorch's ``scaled_dot_product_attention`` with the bias as its mask; with a
+    ``kernel_gradient`` (learnable per-head kernels), through PyTorch's fused CPU
+    kernel with the kernel's gradient from fused forwards, where that applies.
 
     Parameters and state-dict keys are those of :class:`MultiheadAttention`.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, bias_source: BiasSource,
                  weight_source: Optional[BiasSource] = None, rotary: Optional[RotaryEmbedding] = None,
-                 max_cache_window: int = 0, fused: bool = True, dropout: float = 0.0, q_noise: float = 0.0,
-                 qn_block_size: int = 8):
+                 max_cache_window: int = 0, fused: bool = True,
+                 kernel_gradient: Optional[FusedKernelGradient] = None, dropout: float = 0.0,
+                 q_noise: float = 0.0, qn_block_size: int = 8):
         super().__init__(embed_dim, num_heads, dropout=dropout, self_attention=True,
                          q_noise=q_noise, qn_block_size=qn_block_size)
         self.bias_source = bias_source
@@ -49,6 +53,7 @@ class KernelBiasedSelfAttention(MultiheadAttention):
         self.rotary = rotary
         self.max_cache_window = max_cache_window
         self.fused = fused
+        self.kernel_gradient = kernel_gradient
 
     def forward(
         self,
@@ -114,7 +119,7 @@ class KernelBiasedSelfAttention(MultiheadAttention):
                 return self.out_proj(attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)), None
             attn_mask = attn_mask.dense(q.dtype, q.device)
         if only_values and self.can_fuse():
-            attn = self._fused(q, k, v, attn_mask)
+            attn = self._fused(q, k, v, attn_mask, offset=k.size(2) - tgt_len)
             return self.out_proj(attn.permute(2, 0, 1, 3).reshape(tgt_len, bsz, embed_dim)), None
         src_len = k.size(2)
 
@@ -148,14 +153,17 @@ class KernelBiasedSelfAttention(MultiheadAttention):
         """PyTorch's fused ``scaled_dot_product_attention`` takes an additive mask, not a weight."""
         return self.fused and self.weight_source is None
 
-    def _fused(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+    def _fused(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], offset: int) -> Tensor:
         """softmax(q k^T + mask) v by ``scaled_dot_product_attention`` (q is already scaled). The
         mask goes in as ``[1, H, T, S]`` (or ``[1, 1, T, S]``): a 4-D mask lets the CPU and CUDA
-        fused kernels run, where a 3-D one falls back to PyTorch's unfused reference."""
+        fused kernels run, where a 3-D one falls back to PyTorch's unfused reference. ``offset``:
+        the first query's position minus the first key's."""
         if mask is not None:
             mask = mask.to(q.dtype)
             mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
         dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
+        if self.kernel_gradient is not None and self.kernel_gradient.applies(q, k, mask, dropout):
+            return self.kernel_gradient(q, k, v, mask, offset)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=1.0)
 
     def _attend_in_blocks(self, q: Tensor, k: Tensor, v: Tensor, bias: BlockedBias) -> Tensor:
@@ -165,7 +173,8 @@ class KernelBiasedSelfAttention(MultiheadAttention):
         for start, end, key_start in bias.spans():
             if self.can_fuse():
                 mask = bias.block("bias", start, end, key_start, q.dtype, q.device)
-                pieces.append(self._fused(q[:, :, start:end], k[:, :, key_start:end], v[:, :, key_start:end], mask))
+                pieces.append(self._fused(q[:, :, start:end], k[:, :, key_start:end], v[:, :, key_start:end], mask,
+                                          offset=start - key_start))
                 continue
             scores = torch.matmul(q[:, :, start:end], k[:, :, key_start:end].transpose(-1, -2))
             if self.weight_source is not None:

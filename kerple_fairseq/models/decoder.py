@@ -9,6 +9,7 @@ from kerple_fairseq.kernels import build_kernel
 from kerple_fairseq.models.attention_bias import AttentionBias
 from kerple_fairseq.models.config import DEFAULT_BLOCK_SIZE
 from kerple_fairseq.models.biased_attention import KernelBiasedSelfAttention
+from kerple_fairseq.models.fused_kernel_gradient import FusedKernelGradient
 from kerple_fairseq.models.rotary import RotaryEmbedding
 
 # what max_positions() reports when nothing in the model limits the length
@@ -40,6 +41,7 @@ class KernelBiasedDecoder(TransformerDecoder):
         max_cache_window = safe_getattr(args, "max_cache_window", 0)
         if max_cache_window < 0:
             raise KernelConfigError(f"--max-cache-window must be >= 0 (0: keep every key), got {max_cache_window}")
+        kernel_gradient = FusedKernelGradient(self.attention_bias) if kernel.per_head_parameters else None
         for layer in self.layers:
             stock = layer.self_attn
             layer.self_attn = KernelBiasedSelfAttention(
@@ -50,6 +52,7 @@ class KernelBiasedDecoder(TransformerDecoder):
                 rotary=rotary,
                 max_cache_window=max_cache_window,
                 fused=not safe_getattr(args, "unfused_attention", False),
+                kernel_gradient=kernel_gradient,
                 dropout=args.attention_dropout,
                 q_noise=args.quant_noise_pq,
                 qn_block_size=args.quant_noise_pq_block_size,
