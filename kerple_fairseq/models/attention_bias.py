@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels import BiasKernel
 
+TOEPLITZ_ROWS_AT_ONCE = 64  # rows of a non-square bias laid out per copy (bounds the temporary)
 FROZEN_CACHE_SIZE = 2  # per kind (bias, weight, and their per-distance lines): each entry is at most heads x L x L
 
 
@@ -43,11 +44,16 @@ def toeplitz(per_distance: Tensor, query_len: int, key_len: int, future: float, 
     line = torch.cat([ahead, values], dim=1).to(dtype)
     # row t, column s holds line[t + key_len - 1 - s]: row r of `rows` is row query_len - 1 - r
     rows = line.flip(-1).unfold(-1, key_len, 1)
-    if query_len != key_len:
-        # flip lays its output out after its input's overlapping strides, which for a non-square
-        # block leaves each row strided (and attention then copies it again); copy rows first
-        rows = rows.contiguous()
-    return rows.flip(-2)
+    if query_len == key_len or (line.requires_grad and torch.is_grad_enabled()):
+        return rows.flip(-2)
+    # for a non-square block, flip would keep its input's overlapping strides and leave every
+    # row strided, which fused attention then gathers slowly; lay out a few rows at a time
+    # (not under autograd, where each partial copy would cost a copy of the whole gradient)
+    out = line.new_empty(line.size(0), query_len, key_len)
+    for start in range(0, query_len, TOEPLITZ_ROWS_AT_ONCE):
+        end = min(start + TOEPLITZ_ROWS_AT_ONCE, query_len)
+        out[:, start:end] = rows[:, query_len - end: query_len - start].flip(-2)
+    return out
 
 
 class AttentionBias(nn.Module):

@@ -58,6 +58,10 @@ class FusedKernelGradient:
         length = offset + q.size(2)
         line = self.bias.per_distance_line("bias", length, q.dtype, q.device).detach()
         tangents = self.bias.per_distance_line("tangents", length, q.dtype, q.device)
+        if not mask.is_contiguous():
+            # a block laid out under autograd is strided, which the fused kernel gathers slowly on
+            # every call: lay it out again, contiguously, from the line without a gradient
+            mask = toeplitz(line, q.size(2), k.size(2), float("-inf"), q.dtype, offset=offset)[None]
         return _AttentionWithKernelGradient.apply(q, k, v, mask.detach(), line, tangents, offset,
                                                   *self.bias.kernel.parameters())
 
@@ -66,9 +70,12 @@ class _AttentionWithKernelGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mask, line, tangents, offset, *parameters):
-        # contiguous once: the fused kernel copies strided inputs on every call, and backward makes several
+        # contiguous once: the fused kernel gathers strided inputs on every call, and backward makes several
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = FLASH_FORWARD(q, k, v, 0.0, False, attn_mask=mask, scale=1.0)
+        # queries and keys at the same positions: the kernel may also skip the blocks above the
+        # diagonal, which every mask here has at -inf anyway
+        ctx.causal = offset == 0 and q.size(2) == k.size(2)
+        out, lse = FLASH_FORWARD(q, k, v, 0.0, ctx.causal, attn_mask=mask, scale=1.0)
         ctx.save_for_backward(q, k, v, mask, line, tangents, out, lse)
         ctx.offset = offset
         ctx.parameter_shapes = [(p.dtype, p.shape) for p in parameters]
@@ -78,7 +85,8 @@ class _AttentionWithKernelGradient(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, mask, line, tangents, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        grad_q, grad_k, grad_v = FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, False, attn_mask=mask, scale=1.0)
+        grad_q, grad_k, grad_v = FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, ctx.causal, attn_mask=mask,
+                                                 scale=1.0)
         delta = (grad_out * out).sum(-1)  # [B, H, T]
         grads = []
         for tangent in tangents:  # [H, N], one per parameter
@@ -89,7 +97,8 @@ class _AttentionWithKernelGradient(torch.autograd.Function):
                     continue
                 shifted_line = line + part.log()
                 shifted = toeplitz(shifted_line, q.size(2), k.size(2), float("-inf"), q.dtype, offset=ctx.offset)
-                shifted_out, shifted_lse = FLASH_FORWARD(q, k, v, 0.0, False, attn_mask=shifted[None], scale=1.0)
+                shifted_out, shifted_lse = FLASH_FORWARD(q, k, v, 0.0, ctx.causal, attn_mask=shifted[None],
+                                                          scale=1.0)
                 # a row with no key left (T = 0 wherever it may look) has mass 0; the fused kernel
                 # reports lse 0 for it, so such rows are dropped explicitly
                 alive = rows_seeing_a_key(shifted_line, q.size(2), k.size(2), ctx.offset)
