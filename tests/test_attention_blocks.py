@@ -120,3 +120,31 @@ def test_block_size_must_not_be_negative():
 
     with pytest.raises(KernelConfigError, match="--attention-block-size must be >= 0"):
         tiny_model("alibi", "--attention-block-size", "-1")
+
+
+@pytest.mark.parametrize("query_len,key_len,offset", [(1, 1, 0), (1, 300, 299), (70, 70, 0), (130, 200, 70),
+                                                     (64, 100, 0), (200, 150, 60)])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_toeplitz_layout_matches_its_definition(query_len, key_len, offset, requires_grad):
+    """``out[h, t, s] = line[h, offset + t - s]`` (the future value where that is negative), in
+    one contiguous tensor where no gradient is needed (non-square blocks are laid out in pieces)."""
+    from kerple_fairseq.models.attention_bias import toeplitz
+    line = torch.randn(3, offset + query_len, dtype=torch.float64, requires_grad=requires_grad)
+    out = toeplitz(line, query_len, key_len, -7.0, torch.float64, offset=offset)
+    expected = torch.full((3, query_len, key_len), -7.0, dtype=torch.float64)
+    for t in range(query_len):
+        for s in range(key_len):
+            if offset + t - s >= 0:
+                expected[:, t, s] = line[:, offset + t - s].detach()
+    assert torch.equal(out.detach(), expected)
+    if not requires_grad:
+        assert out.is_contiguous()
+    else:
+        weights = torch.randn(out.shape, dtype=torch.float64)
+        (out * weights).sum().backward()
+        expected_grad = torch.zeros_like(line)
+        for t in range(query_len):
+            for s in range(key_len):
+                if offset + t - s >= 0:
+                    expected_grad[:, offset + t - s] += weights[:, t, s]
+        torch.testing.assert_close(line.grad, expected_grad)
