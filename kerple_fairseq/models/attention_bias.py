@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels import BiasKernel
 
-TOEPLITZ_ROWS_AT_ONCE = 64  # rows of a non-square bias laid out per copy (bounds the temporary)
+TOEPLITZ_ROWS_AT_ONCE = 16  # rows of a non-square bias laid out per copy (bounds the temporary)
 FROZEN_CACHE_SIZE = 2  # per kind (bias, weight, and their per-distance lines): each entry is at most heads x L x L
 
 
