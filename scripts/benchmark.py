@@ -5,8 +5,9 @@ In one process, builds the same tiny language model with each kernel, with ``non
 fairseq ``transformer_lm`` without positions: the causal mask alone, as fairseq builds it) and
 with ``sinusoidal`` (stock ``transformer_lm``), and times, at each length, training steps
 (forward + backward on a batch of ``--batch-tokens``) and evaluation forwards. Rounds visit
-every model in turn, so drift on a shared machine hits all of them alike; the median over
-``--repeats`` rounds is reported with its ratio to ``none`` measured in the same run.
+every model in turn (starting one model later each round), and a model's ratio to ``none`` is
+the median over rounds of its time divided by ``none``'s in the same round, so slow drift on a
+shared machine cancels; times are medians over the ``--repeats`` rounds.
 
 Peak memory of one evaluation forward at each ``--memory-lengths`` is measured in a fresh
 child process per model (CPU: peak RSS above the RSS before the forward, the peak reset just
@@ -129,20 +130,23 @@ def time_all(models, args, device):
             times = {name: [] for name in models}
             for name, model in models.items():  # warm-up
                 step(model, tokens)
-            for _ in range(args.repeats):
-                for name, model in models.items():
+            names = list(models)
+            for round_ in range(args.repeats):
+                for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                    model = models[name]
                     sync(device)
                     start = time.perf_counter()
                     step(model, tokens)
                     sync(device)
                     times[name].append(time.perf_counter() - start)
-            base = statistics.median(times["none"])
             for name in models:
                 seconds = statistics.median(times[name])
+                ratio = statistics.median(t / base for t, base in zip(times[name], times["none"]))
                 rows.append({"phase": phase, "length": length, "model": name, "batch": batch,
-                             "ms": 1000 * seconds, "tokens_per_s": batch * length / seconds, "ratio": seconds / base})
+                             "ms": 1000 * seconds, "tokens_per_s": batch * length / seconds, "ratio": ratio,
+                             "rounds_ms": [1000 * t for t in times[name]]})
                 print(f"{phase:<5} L={length:<6} {name:<14} {1000 * seconds:9.1f} ms  "
-                      f"{batch * length / seconds:9.0f} tok/s  x{seconds / base:.3f}", flush=True)
+                      f"{batch * length / seconds:9.0f} tok/s  x{ratio:.3f}", flush=True)
     return rows
 
 
