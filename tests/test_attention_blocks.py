@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from helpers import VOCAB, tiny_model
-from kerple_fairseq.models.attention_bias import AttentionBias, BlockedBias
+from kerple_fairseq.attention.blocks import query_blocks
+from kerple_fairseq.attention.distance_bias import DistanceBias, toeplitz
 
 CASES = [
     ("kerple_log", []), ("kerple_power", []), ("kerple_bias_wht", []), ("alibi_rf", ["--alibi-rf-learnable-rho"]),
@@ -52,17 +53,19 @@ def test_attention_paths_equal_the_reference_with_gradients(kernel, flags, varia
     tokens = torch.randint(4, VOCAB + 4, (2, 100), generator=g)
     targets = torch.randint(4, VOCAB + 4, (2, 100), generator=g)
     in_blocks = "blocks" in variant
-    assert isinstance(model.decoder.buffered_future_mask(torch.zeros(100, 1, 1)), BlockedBias) == in_blocks
 
-    built = []
-    original = AttentionBias.build
-    AttentionBias.build = lambda self, *a: built.append(a) or original(self, *a)
+    attended = []
+    original = DistanceBias.for_block
+    DistanceBias.for_block = lambda self, block, *a, **k: attended.append(block) or original(self, block, *a, **k)
     try:
         out, grads = loss_and_gradients(model, tokens, targets)
     finally:
-        AttentionBias.build = original
+        DistanceBias.for_block = original
     if in_blocks:
-        assert built == [], "no [heads, L, L] bias is built on the blocked path"
+        assert len(attended) > 2 and all(b.num_queries <= 16 for b in attended), \
+            "no [heads, L, L] bias is laid out on the blocked path"
+    else:
+        assert {(b.num_queries, b.num_keys) for b in attended} == {(100, 100)}
     expected_out, expected_grads = loss_and_gradients(reference, tokens, targets)
 
     # fairseq's softmax runs in float32 even in a float64 model; the fused path does not
@@ -90,7 +93,7 @@ def test_blocks_in_float32_and_half_are_close_to_one_block():
         assert (a - b).abs().max().item() < tolerance
 
 
-def test_padding_falls_back_to_one_block():
+def test_padding_in_blocks_equals_one_block():
     dense, blocked = pair("kerple_log", [], VARIANTS["blocks"])
     tokens = torch.randint(4, VOCAB + 4, (2, 60))
     tokens[1, -5:] = 1  # fairseq's padding symbol: keys to mask per batch element
@@ -102,17 +105,38 @@ def test_padding_falls_back_to_one_block():
 @pytest.mark.parametrize("window,length", [(1, 200), (8, 512), (100, 1000), (3000, 2500)])
 def test_window_blocks_touch_only_keys_inside_the_window(window, length):
     model = tiny_model("alibi", "--attn-window", str(window), "--attention-block-size", "256")
-    block = model.decoder.attention_block_size()
+    block = model.decoder.setup.block_size_now()
     assert block == min(256, max(window, 64))
-    spans = list(model.decoder.buffered_future_mask(torch.zeros(length, 1, 1)).spans())
-    assert [s for s, _, _ in spans] == list(range(0, length, block)) and spans[-1][1] == length
-    for start, end, key_start in spans:
-        assert key_start == max(0, start - window + 1), "the first key the block's first query sees"
-        assert end - key_start <= block + window - 1
-    seen = sum((end - start) * (end - key_start) for start, end, key_start in spans)
+    blocks = query_blocks(length, length, block, window)
+    assert [b.query_start for b in blocks] == list(range(0, length, block)) and blocks[-1].query_end == length
+    for b in blocks:
+        assert b.key_start == max(0, b.query_start - window + 1), "the first key the block's first query sees"
+        assert b.key_end == b.query_end, "keys end with the block's last query"
+        assert b.offset == b.query_start - b.key_start
+        assert b.num_keys <= block + window - 1
+    seen = sum(b.num_queries * b.num_keys for b in blocks)
     assert seen <= length * (block + window - 1)
     if block + window - 1 < length / 2:
         assert seen < length * length / 2, "most of the L x L scores are never computed"
+
+
+@pytest.mark.parametrize("num_queries,num_keys,block_size,window", [
+    (1, 1, 0, 0), (1, 300, 16, 0), (1, 300, 16, 8), (7, 40, 0, 5), (100, 100, 16, 0), (100, 130, 32, 0),
+    (50, 50, 64, 0)])
+def test_blocks_cover_every_query_once_and_every_key_it_may_see(num_queries, num_keys, block_size, window):
+    """Dense attention, incremental decoding (queries after a cache) and long sequences: the
+    blocks partition the queries, and each query's keys (causal, in its window) lie in its block's."""
+    blocks = query_blocks(num_queries, num_keys, block_size, window)
+    assert len(blocks) == (1 if block_size == 0 or num_queries <= block_size else -(-num_queries // block_size))
+    covered = []
+    for b in blocks:
+        for t in range(b.query_start, b.query_end):
+            covered.append(t)
+            position = num_keys - num_queries + t  # counted from key 0
+            visible = [s for s in range(num_keys) if s <= position and (not window or position - s < window)]
+            assert b.key_start <= visible[0] and visible[-1] < b.key_end
+            assert b.offset + (t - b.query_start) - (visible[-1] - b.key_start) == position - visible[-1]
+    assert covered == list(range(num_queries))
 
 
 def test_block_size_must_not_be_negative():
@@ -128,7 +152,6 @@ def test_block_size_must_not_be_negative():
 def test_toeplitz_layout_matches_its_definition(query_len, key_len, offset, requires_grad):
     """``out[h, t, s] = line[h, offset + t - s]`` (the future value where that is negative), in
     one contiguous tensor where no gradient is needed (non-square blocks are laid out in pieces)."""
-    from kerple_fairseq.models.attention_bias import toeplitz
     line = torch.randn(3, offset + query_len, dtype=torch.float64, requires_grad=requires_grad)
     out = toeplitz(line, query_len, key_len, -7.0, torch.float64, offset=offset)
     expected = torch.full((3, query_len, key_len), -7.0, dtype=torch.float64)

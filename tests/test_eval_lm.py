@@ -113,26 +113,26 @@ def test_protocol_all_and_position_wise_file(trained, data_bin, tmp_path):
 
 
 def test_long_length_without_an_l_by_l_tensor(trained, data_bin, tmp_path, monkeypatch):
-    """L = 8192 on CPU without any L x L tensor: the layers share one per-distance line, laid out
-    block by block (blocks of 1024 queries); only a block of at most 1024 tokens gets a dense bias."""
+    """L = 8192 on CPU without any L x L tensor: the layers share one vector of per-distance values,
+    laid out block by block (blocks of 1024 queries): no laid-out bias has more than 1024 queries."""
+    from kerple_fairseq.attention import distance_bias
     from kerple_fairseq.evaluation.cli import cli_main
-    from kerple_fairseq.models.attention_bias import AttentionBias
 
     dense, lines = [], []
-    build, line = AttentionBias.build, AttentionBias.per_distance_line
+    toeplitz, values = distance_bias.toeplitz, distance_bias.DistanceBias.distance_values
 
-    def recording_build(self, *args):
-        mask = build(self, *args)
+    def recording_toeplitz(*args, **kwargs):
+        mask = toeplitz(*args, **kwargs)
         dense.append(tuple(mask.shape))
         return mask
 
-    def recording_line(self, *args):
-        values = line(self, *args)
-        lines.append(tuple(values.shape))
-        return values
+    def recording_values(self, *args):
+        per_distance = values(self, *args)
+        lines.append(tuple(per_distance.shape))
+        return per_distance
 
-    monkeypatch.setattr(AttentionBias, "build", recording_build)
-    monkeypatch.setattr(AttentionBias, "per_distance_line", recording_line)
+    monkeypatch.setattr(distance_bias, "toeplitz", recording_toeplitz)
+    monkeypatch.setattr(distance_bias.DistanceBias, "distance_values", recording_values)
     results = tmp_path / "r.json"
     with pytest.raises(SystemExit) as exit_info:
         cli_main([str(data_bin), "--path", str(ckpt(trained, "alibi")), "--gen-subset", "valid", "--cpu",
@@ -141,8 +141,8 @@ def test_long_length_without_an_l_by_l_tensor(trained, data_bin, tmp_path, monke
     record = json.load(open(results))[0]
     assert record["length"] == 8192 and math.isfinite(record["ppl"])
     assert record["num_tokens"] > 2 * 8192
-    assert (4, 8192) in lines and all(h == 4 and n > 1024 for h, n in lines), "[heads, L] lines, never [heads, L, L]"
-    assert all(s[0] == 4 and s[1] == s[2] <= 1024 for s in dense), dense
+    assert (4, 8192) in lines and all(h == 4 and n > 1024 for h, n in lines), "[heads, L] values, never [heads, L, L]"
+    assert dense and all(s[0] == 4 and s[1] <= 1024 and s[2] <= 8192 for s in dense), dense
 
 
 def test_learned_positions_beyond_their_table_fail_clearly(trained, data_bin, tmp_path):

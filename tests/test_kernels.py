@@ -1,4 +1,5 @@
-"""Each kernel's bias (and weight) against an independent float64 loop, gradients, constraints."""
+"""Each kernel's ``[heads, distances]`` bias (and weight) against its independent float64 reference in
+``tests/reference.py``, gradients, constraints, options and documentation."""
 
 import argparse
 import dataclasses
@@ -12,13 +13,18 @@ from kerple_fairseq import KernelConfigError
 from kerple_fairseq.kernels import KERNELS, build_kernel, kernel_names
 from kerple_fairseq.kernels.alibi import alibi_slopes
 from kerple_fairseq.kernels.learnable import LearnableKernel
-from kerple_fairseq.models.attention_bias import AttentionBias
 
 import reference
 
 HEADS = [8, 12, 16]
-LENGTHS = [1, 5, 64, 300]
-WINDOW = 7  # the window kernel's --attn-window in these tests
+RANGE = 4096
+# float32 distances each kernel maps to [heads, len(distances)]: a contiguous range, a sparse set
+# reaching far beyond T5's and Sandwich's scales, and an unordered one with a repeat
+DISTANCES = {
+    "range": list(range(RANGE)),
+    "sparse": [0, 1, 7, 300, 4095, 20000],
+    "unordered": [129, 0, 16, 3, 20000, 3],
+}
 # kernel name -> options other than the defaults that get their own run
 VARIANTS = {
     "alibi": [{}, {"alibi_shift": 2.0}, {"alibi_equal_slope": 3.0}],
@@ -30,6 +36,7 @@ VARIANTS = {
 }
 CASES = [(name, options) for name in sorted(KERNELS) for options in VARIANTS.get(name, [{}])]
 WEIGHT_KERNELS = sorted(name for name, cls in KERNELS.items() if cls.has_weight)
+WEIGHT_CASES = [(name, options) for name, options in CASES if KERNELS[name].has_weight]
 
 
 def config(**options):
@@ -49,56 +56,6 @@ def case_id(case):
     return name + "".join(f"-{k}={v}" for k, v in options.items())
 
 
-def values(kernel, name):
-    with torch.no_grad():
-        return kernel.value(name).double().tolist()
-
-
-def reference_functions(kernel, options):
-    """(bias, weight) functions of (head, distance) from SPEC's formulas; weight is None for bias kernels."""
-    name, heads = kernel.name, kernel.num_heads
-    slopes = reference.alibi_slopes_reference(heads)
-    if options.get("alibi_equal_slope") is not None:
-        slopes = [2.0 ** -options["alibi_equal_slope"]] * heads
-    slopes = [m * 2.0 ** -options.get("alibi_shift", 0.0) for m in slopes]
-    v = lambda p: values(kernel, p)  # noqa: E731
-    if name == "alibi":
-        return reference.alibi(slopes), None
-    if name == "alibi_rf":
-        rho = v("rho") if options.get("alibi_rf_learnable_rho") else [options.get("alibi_rf_rho", 512.0)] * heads
-        return reference.alibi_rf(slopes, rho, options.get("alibi_rf_decay", "exponential")), None
-    if name in ("none", "window"):
-        return reference.no_bias(), None
-    if name == "kerple_log":
-        return reference.kerple_log(v("r1"), v("r2")), None
-    if name == "kerple_power":
-        return reference.kerple_power(v("r1"), v("r2")), None
-    if name == "kerple_log3":
-        return reference.kerple_log3(v("r1"), v("r2"), v("r3")), None
-    if name == "kerple_bias_wht":
-        return reference.kerple_power(v("r1"), v("r2")), reference.gauss_weight(v("r3"), v("r4"))
-    if name == "gauss_bias2":
-        return reference.gauss_bias(v("r1"), v("r2"), [2.0] * heads), None
-    if name == "gauss_bias3":
-        return reference.gauss_bias(v("r1"), v("r2"), v("r3")), None
-    if name == "gauss_wht1":
-        return reference.no_bias(), reference.gauss_weight(v("r1"), [2.0] * heads)
-    if name == "gauss_wht2":
-        return reference.no_bias(), reference.gauss_weight(v("r1"), v("r2"))
-    if name == "t5":
-        return reference.t5(kernel.table.detach().double().tolist()), None
-    dim = options.get("sandwich_dim", 128)
-    if name == "sandwich":
-        return reference.sandwich(heads, dim), None
-    if name == "sandwich_smoothed":
-        return reference.sandwich_smoothed(heads, dim, options.get("sandwich_fit_distances", 50)), None
-    raise AssertionError(f"no reference for kernel {name}: add one to tests/reference.py")
-
-
-def attention_bias(kernel, window=0):
-    return AttentionBias(kernel, window=window or (WINDOW if kernel.requires_window else 0))
-
-
 def assert_matches(actual, expected, rtol=2e-6, atol=1e-5):
     actual = actual.detach().numpy()
     finite = np.isfinite(expected)
@@ -107,64 +64,58 @@ def assert_matches(actual, expected, rtol=2e-6, atol=1e-5):
     np.testing.assert_allclose(actual[finite], expected[finite], rtol=rtol, atol=atol)
 
 
-def test_registry_lists_every_kernel_of_the_spec():
+def test_registry_lists_every_kernel():
     assert set(kernel_names()) == {
         "alibi", "alibi_rf", "gauss_bias2", "gauss_bias3", "gauss_wht1", "gauss_wht2", "kerple_bias_wht",
         "kerple_log", "kerple_log3", "kerple_power", "none", "sandwich", "sandwich_smoothed", "t5", "window"}
     assert WEIGHT_KERNELS == ["gauss_wht1", "gauss_wht2", "kerple_bias_wht"]
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-@pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("length", LENGTHS)
-def test_bias_matches_float64_reference(case, heads, length):
+def test_every_kernel_has_one_float64_reference():
+    missing = sorted(set(KERNELS) - set(reference.KERNEL_REFERENCES))
+    assert not missing, f"registered kernels with no entry in tests/reference.py KERNEL_REFERENCES: {missing}"
+    unknown = sorted(set(reference.KERNEL_REFERENCES) - set(KERNELS))
+    assert not unknown, f"tests/reference.py has references for unregistered kernels: {unknown}"
+    for name in VARIANTS:
+        assert name in KERNELS, f"VARIANTS names an unregistered kernel: {name}"
+
+
+def kernel_and_reference(case, heads):
     name, options = case
-    torch.manual_seed(heads * 1000 + length)
+    torch.manual_seed(heads)
     kernel = make(name, heads, options)
-    bias = attention_bias(kernel)
-    mask = bias.build(length, length, torch.float32, "cpu")
-    assert mask.dtype == torch.float32 and mask.shape == (heads, length, length)
-    bias_fn, _ = reference_functions(kernel, options)
-    if bias.window:
-        bias_fn = reference.windowed(bias_fn, bias.window)
-    assert_matches(mask, reference.bias_matrix(heads, length, bias_fn))
+    assert kernel.name == name and kernel.num_heads == heads
+    return kernel, reference.reference_functions(kernel, options)
 
 
-@pytest.mark.parametrize("name", WEIGHT_KERNELS)
+@pytest.mark.parametrize("distances", DISTANCES.values(), ids=DISTANCES.keys())
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("heads", HEADS)
-@pytest.mark.parametrize("length", LENGTHS)
-def test_weight_matches_float64_reference(name, heads, length):
-    torch.manual_seed(heads * 1000 + length)
-    kernel = make(name, heads)
-    weight = AttentionBias(kernel).build_weight(length, length, torch.float32, "cpu")
-    assert weight.shape == (heads, length, length)
-    _, weight_fn = reference_functions(kernel, {})
-    assert_matches(weight, reference.weight_matrix(heads, length, weight_fn))
+def test_bias_matches_float64_reference(case, heads, distances):
+    kernel, (bias_fn, _) = kernel_and_reference(case, heads)
+    bias = kernel(torch.tensor(distances, dtype=torch.float32))
+    assert bias.dtype == torch.float32 and bias.shape == (heads, len(distances))
+    assert_matches(bias, reference.per_head(heads, distances, bias_fn))
+
+
+@pytest.mark.parametrize("distances", DISTANCES.values(), ids=DISTANCES.keys())
+@pytest.mark.parametrize("case", WEIGHT_CASES, ids=case_id)
+@pytest.mark.parametrize("heads", HEADS)
+def test_weight_matches_float64_reference(case, heads, distances):
+    kernel, (_, weight_fn) = kernel_and_reference(case, heads)
+    assert weight_fn is not None, f"the reference of weight kernel {kernel.name} gives no weight"
+    weight = kernel.weight(torch.tensor(distances, dtype=torch.float32))
+    assert weight.dtype == torch.float32 and weight.shape == (heads, len(distances))
+    assert_matches(weight, reference.per_head(heads, distances, weight_fn))
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_window_composes_with_every_kernel(case):
-    name, options = case
-    torch.manual_seed(3)
-    kernel = make(name, 8, options)
-    mask = AttentionBias(kernel, window=5).build(40, 40, torch.float32, "cpu")
-    bias_fn, _ = reference_functions(kernel, options)
-    assert_matches(mask, reference.bias_matrix(8, 40, reference.windowed(bias_fn, 5)))
-    # each query sees exactly min(i + 1, 5) keys, itself included
-    assert (torch.isfinite(mask).sum(-1) == torch.arange(1, 41).clamp(max=5)).all()
-
-
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_incremental_rows_are_the_last_rows_of_the_full_bias(case):
-    name, options = case
-    kernel = make(name, 8, options)
-    bias = attention_bias(kernel)
-    full = bias.build(40, 40, torch.float32, "cpu")
-    torch.testing.assert_close(bias.build(1, 40, torch.float32, "cpu"), full[:, -1:, :])
-    torch.testing.assert_close(bias.build(7, 40, torch.float32, "cpu"), full[:, -7:, :])
-    if kernel.has_weight:
-        full = bias.build_weight(40, 40, torch.float32, "cpu")
-        torch.testing.assert_close(bias.build_weight(7, 40, torch.float32, "cpu"), full[:, -7:, :])
+def test_only_weight_kernels_have_a_weight(case):
+    kernel, (_, weight_fn) = kernel_and_reference(case, 2)
+    assert (weight_fn is not None) == kernel.has_weight
+    if not kernel.has_weight:
+        with pytest.raises(NotImplementedError, match="has no weight"):
+            kernel.weight(torch.arange(3, dtype=torch.float32))
 
 
 def test_alibi_slopes_for_8_heads_are_halves_to_1_over_256():
@@ -172,7 +123,7 @@ def test_alibi_slopes_for_8_heads_are_halves_to_1_over_256():
 
 
 @pytest.mark.parametrize("heads", [1, 2, 3, 5, 6, 12, 16, 20, 24])
-def test_alibi_slopes_follow_spec_for_any_head_count(heads):
+def test_alibi_slopes_follow_press_rule_for_any_head_count(heads):
     np.testing.assert_allclose(alibi_slopes(heads), reference.alibi_slopes_reference(heads), rtol=1e-15)
 
 
@@ -331,13 +282,6 @@ def test_unknown_kernel_is_a_clear_error():
 def test_out_of_range_option_is_a_clear_error(name, options, message):
     with pytest.raises(KernelConfigError, match=message):
         make(name, 8, options)
-
-
-def test_window_needs_a_positive_window():
-    with pytest.raises(KernelConfigError, match="--bias-kernel window needs --attn-window W > 0"):
-        AttentionBias(make("window", 8))
-    with pytest.raises(KernelConfigError, match="--attn-window must be >= 0"):
-        AttentionBias(make("alibi", 8), window=-1)
 
 
 def test_every_kernel_documents_formula_and_paper_section():

@@ -164,11 +164,45 @@ def test_fairseq_optimizer_step_reaches_the_kernel_parameters():
     assert (r1 > kernel.floor).all() and ((r2 > kernel.floor) & (r2 < 2.0)).all()
 
 
-def test_mask_is_per_head_not_per_batch_element():
-    model = tiny_model("alibi")
-    x = torch.zeros(24, 7, 32)  # T x B x C
-    mask = model.decoder.buffered_future_mask(x)
-    assert mask.shape == (4, 24, 24)
+def test_bias_is_per_head_not_per_batch_element():
+    from kerple_fairseq.attention.distance_bias import DistanceBlockBias
+
+    model = tiny_model("alibi").eval()
+    shapes = []
+    original = DistanceBlockBias.mask
+    DistanceBlockBias.mask = lambda self, *a: shapes.append(tuple(original(self, *a).shape)) or original(self, *a)
+    try:
+        with torch.no_grad():
+            model(random_tokens(batch=7, length=24))
+    finally:
+        DistanceBlockBias.mask = original
+    assert shapes and set(shapes) == {(4, 24, 24)}
+    assert model.decoder.buffered_future_mask(torch.zeros(24, 7, 32)) is None, "no fairseq future mask is built"
+
+
+def test_layers_are_built_through_fairseqs_build_decoder_layer_hook():
+    """The plugin's attention is built inside fairseq's layer, so activation checkpointing wraps the
+    real module: same log-probabilities and gradients as without it."""
+    from kerple_fairseq.attention.self_attention import BiasedSelfAttention
+    from kerple_fairseq.models.decoder import KernelBiasedDecoderLayer
+
+    torch.manual_seed(0)
+    plain = tiny_model("kerple_log").train()
+    checkpointed = tiny_model("kerple_log", "--checkpoint-activations").train()
+    checkpointed.load_state_dict(plain.state_dict())
+    for layer in checkpointed.decoder.layers:
+        assert isinstance(layer, KernelBiasedDecoderLayer) and isinstance(layer.self_attn, BiasedSelfAttention)
+        assert getattr(layer, "precheckpoint_forward", None) is not None, "fairseq's checkpoint wrapper"
+        assert layer.self_attn.setup is checkpointed.decoder.setup
+    tokens = random_tokens()
+    grads = []
+    for model in (plain, checkpointed):
+        model.zero_grad()
+        model(tokens)[0].logsumexp(-1).mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys() and "decoder.attention_bias.kernel.r1_raw" in grads[0]
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
 
 
 def test_kernel_parameters_are_shared_by_all_layers():
@@ -223,7 +257,7 @@ def test_set_window_drops_cached_biases():
     tokens = random_tokens()
     with torch.no_grad():
         before = full_log_probs(model, tokens)
-        model.decoder.attention_bias.set_window(4)
+        model.decoder.attention_bias.set_attention_window(4)
         windowed = full_log_probs(model, tokens)
         fresh = tiny_model("alibi", "--attn-window", "4").eval()
         fresh.load_state_dict(model.state_dict())
@@ -232,7 +266,7 @@ def test_set_window_drops_cached_biases():
 
 
 def test_rotary_matches_complex_rotation_and_depends_on_relative_position_only():
-    from kerple_fairseq.models.rotary import RotaryEmbedding
+    from kerple_fairseq.attention.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
     head_dim, length = 16, 40
@@ -273,9 +307,8 @@ def test_weight_kernel_multiplies_the_scaled_logits():
     attention = model.decoder.layers[0].self_attn
     x = torch.randn(10, 2, 32)
     with torch.no_grad():
-        mask = model.decoder.buffered_future_mask(x)
         with model.decoder.attention_bias.forward_scope():
-            out, weights = attention(x, x, x, attn_mask=mask, need_weights=True, need_head_weights=True)
+            out, weights = attention(x, x, x, need_weights=True, need_head_weights=True)
         heads, dim = 4, 8
         q = attention.q_proj(x).view(10, 2, heads, dim).permute(1, 2, 0, 3) / dim ** 0.5
         k = attention.k_proj(x).view(10, 2, heads, dim).permute(1, 2, 0, 3)

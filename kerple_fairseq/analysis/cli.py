@@ -129,7 +129,7 @@ def analyse_kernels(args, labels, out: str) -> None:
     rows, panels = [], []
     for ck in loaded:
         curves, weights = ck.curves(args.max_distance), ck.weight_curves(args.max_distance)
-        panels.append((f"{ck.label} ({ck.kernel.name}{f', window {ck.window}' if ck.window else ''})", curves))
+        panels.append((f"{ck.label} ({ck.kernel.name}{f', window {ck.attention_window}' if ck.attention_window else ''})", curves))
         for head, row in enumerate(curves):
             for d, bias in enumerate(row):
                 rows.append((ck.label, ck.kernel.name, head + 1, d, repr(float(bias)),
@@ -183,15 +183,15 @@ def analyse_position_wise(args, labels, out: str) -> None:
             variants.append((f"{label} windowed@{window}", window))
         for name, window in variants:
             attention_bias = getattr(model.decoder, "attention_bias", None)
-            trained_window = attention_bias.window if attention_bias is not None else 0
+            trained_window = attention_bias.attention_window if attention_bias is not None else 0
             if window is not None:
-                attention_bias.set_window(window)
+                attention_bias.set_attention_window(window)
             try:
                 losses, counts = position_wise_loss(model, stream, task.source_dictionary.eos(), args.length,
                                                     args.max_tokens, device, progress=not args.no_progress_bar)
             finally:
                 if window is not None:
-                    attention_bias.set_window(trained_window)
+                    attention_bias.set_attention_window(trained_window)
             rows.extend((name, p, repr(float(losses[p])), repr(2.0 ** float(losses[p])), int(counts[p]))
                         for p in range(args.length) if counts[p])
             centres, ppl = binned_perplexity(losses, counts, bin_width)
@@ -215,7 +215,7 @@ def analyse_receptive_field(args, labels, out: str) -> None:
         except ValueError as e:
             raise UsageError(str(e)) from e
         attention_bias = getattr(model.decoder, "attention_bias", None)
-        window = attention_bias.window if attention_bias is not None else 0
+        window = attention_bias.attention_window if attention_bias is not None else 0
         theoretical = theoretical_receptive_field(window, len(model.decoder.layers))
         summary[label] = {"checkpoint": path, "length": args.length, "segments": args.num_segments, "mass": args.mass,
                           "erf": field.erf, "support": field.support, "window": window,

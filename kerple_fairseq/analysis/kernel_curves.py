@@ -15,7 +15,7 @@ import torch
 from kerple_fairseq.errors import KernelConfigError, UsageError
 from kerple_fairseq.evaluation.loading import load_checkpoint_state
 from kerple_fairseq.kernels import BiasKernel, build_kernel
-from kerple_fairseq.models.attention_bias import AttentionBias
+from kerple_fairseq.attention.distance_bias import DistanceBias
 
 KERNEL_PREFIX = "decoder.attention_bias.kernel."
 EFFECTIVE_LENGTH_THRESHOLD = -2.0
@@ -25,21 +25,21 @@ EFFECTIVE_LENGTH_THRESHOLD = -2.0
 class CheckpointKernel:
     label: str
     kernel: BiasKernel
-    window: int  # 0: none
+    attention_window: int  # 0: none
     num_layers: int
     train_length: int
 
     def curves(self, max_distance: int) -> np.ndarray:
         """``[heads, max_distance + 1]`` float64 copy of the float32 ``B_h(d)``, ``-inf`` from the window on."""
         with torch.no_grad():
-            return AttentionBias(self.kernel, self.window).per_distance(max_distance + 1).double().numpy()
+            return DistanceBias(self.kernel, self.attention_window).per_distance(max_distance + 1).double().numpy()
 
     def weight_curves(self, max_distance: int) -> Optional[np.ndarray]:
         """``W_h(d)`` of a weight kernel, else None."""
         if not self.kernel.has_weight:
             return None
         with torch.no_grad():
-            return AttentionBias(self.kernel, self.window).weight_per_distance(max_distance + 1).double().numpy()
+            return DistanceBias(self.kernel, self.attention_window).weight_per_distance(max_distance + 1).double().numpy()
 
 
 def load_kernel(path: str, label: str) -> CheckpointKernel:

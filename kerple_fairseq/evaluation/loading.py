@@ -67,7 +67,7 @@ def load_language_model(path: str, data: str, overrides: Optional[Dict] = None, 
         attention_bias = getattr(models[0].decoder, "attention_bias", None)
         if attention_bias is None:
             raise UsageError(f"--attn-window needs a kerple_fairseq model; {path} is a {type(models[0]).__name__}")
-        attention_bias.set_window(attn_window)
+        attention_bias.set_attention_window(attn_window)
     return models[0], task, cfg
 
 

@@ -14,7 +14,7 @@ class BiasKernel(nn.Module):
     ``forward(distance)`` takes a float32 vector of distances and returns a
     float32 ``[num_heads, len(distance)]`` tensor ``B_h(d)``, the bias added to
     the scaled attention logits. The kernel knows nothing about masks, batches
-    or layers: :class:`kerple_fairseq.models.attention_bias.AttentionBias`
+    or layers: :class:`kerple_fairseq.attention.distance_bias.DistanceBias`
     turns it into the ``[heads, queries, keys]`` causal bias shared by all layers.
 
     A *weight* kernel also multiplies the scaled logits by ``W_h(d)`` before the

@@ -13,7 +13,7 @@ class WindowKernel(BiasKernel):
     Windowed attention of Sandwich (Chi et al., ACL 2023), §4.3 Eq. 3, and, with
     rotary positions, Su's super-baseline. The window itself is the model option
     ``--attn-window``, which composes with every kernel (it is applied where the
-    bias is laid out, :class:`kerple_fairseq.models.attention_bias.AttentionBias`);
+    bias is laid out, :class:`kerple_fairseq.attention.distance_bias.DistanceBias`);
     this kernel adds nothing inside it, and a model refuses it without a window.
     """
 

@@ -1,62 +1,96 @@
-"""fairseq's Transformer decoder with a kernel bias in place of the future mask."""
+"""fairseq's Transformer decoder whose layers attend with a kernel bias instead of the future mask."""
+
+from contextlib import contextmanager
+from functools import partial
 
 from fairseq.logging import metrics
 from fairseq.models.transformer import TransformerDecoder
+from fairseq.modules import transformer_layer
+from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.utils import safe_getattr
 
+from kerple_fairseq.attention.distance_bias import DistanceBias
+from kerple_fairseq.attention.rotary import RotaryEmbedding
+from kerple_fairseq.attention.self_attention import AttentionSetup, BiasedSelfAttention
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels import build_kernel
-from kerple_fairseq.models.attention_bias import AttentionBias
 from kerple_fairseq.models.config import DEFAULT_BLOCK_SIZE
-from kerple_fairseq.models.biased_attention import KernelBiasedSelfAttention
-from kerple_fairseq.models.fused_kernel_gradient import FusedKernelGradient
-from kerple_fairseq.models.rotary import RotaryEmbedding
 
 # what max_positions() reports when nothing in the model limits the length
 UNBOUNDED_POSITIONS = 1 << 30
-# smallest block of queries with a window: smaller blocks cost more in per-block overhead than they save
-MIN_WINDOW_BLOCK = 64
+
+
+@contextmanager
+def replaced(module, name: str, value):
+    """``module.name`` is ``value`` within the block. fairseq builds its decoder and layers by
+    module-level names; pointing one at the plugin's class for one call reuses the rest unchanged."""
+    stock = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, stock)
+
+
+def attention_setup(args) -> AttentionSetup:
+    """The decoder's shared bias, rotary embedding and attention options, from its arguments."""
+    kernel = build_kernel(args.bias_kernel, args.decoder_attention_heads, args)
+    block_size = safe_getattr(args, "attention_block_size", DEFAULT_BLOCK_SIZE)
+    if block_size < 0:
+        raise KernelConfigError(f"--attention-block-size must be >= 0 (0: no blocks), got {block_size}")
+    cache_size = safe_getattr(args, "max_cache_window", 0)
+    if cache_size < 0:
+        raise KernelConfigError(f"--max-cache-window must be >= 0 (0: keep every key), got {cache_size}")
+    head_dim = args.decoder_embed_dim // args.decoder_attention_heads
+    return AttentionSetup(
+        bias=DistanceBias(kernel, attention_window=safe_getattr(args, "attn_window", 0)),
+        rotary=RotaryEmbedding(head_dim) if safe_getattr(args, "rotary_embeddings", False) else None,
+        block_size=block_size,
+        fused=not safe_getattr(args, "unfused_attention", False),
+        cache_size=cache_size,
+    )
+
+
+class KernelBiasedDecoderLayer(TransformerDecoderLayerBase):
+    """fairseq's decoder layer with :class:`BiasedSelfAttention` as its self-attention."""
+
+    def __init__(self, cfg, no_encoder_attn=False, add_bias_kv=False, add_zero_attn=False, *,
+                 setup: AttentionSetup):
+        if cfg.cross_self_attention or add_bias_kv or add_zero_attn:
+            raise KernelConfigError("--cross-self-attention, add_bias_kv and add_zero_attn are not supported "
+                                    "by the plugin's biased self-attention")
+        self.setup = setup  # a plain attribute, so it can be set before Module.__init__ builds self_attn
+        super().__init__(cfg, no_encoder_attn=no_encoder_attn)
+
+    def build_self_attention(self, embed_dim, cfg, add_bias_kv=False, add_zero_attn=False):
+        return BiasedSelfAttention(embed_dim, cfg.decoder.attention_heads, self.setup,
+                                   dropout=cfg.attention_dropout, q_noise=self.quant_noise,
+                                   qn_block_size=self.quant_noise_block_size)
 
 
 class KernelBiasedDecoder(TransformerDecoder):
-    """A :class:`TransformerDecoder` whose ``buffered_future_mask`` is causal mask plus kernel bias.
+    """A :class:`TransformerDecoder` whose layers attend with the kernel's causal bias.
 
     The kernel (``args.bias_kernel``) and its parameters live once, in
-    ``self.attention_bias``, with the optional window ``args.attn_window``;
-    every layer's self-attention reads the same bias (and weight, for weight
-    kernels), built once per forward pass. ``args.rotary_embeddings`` rotates
-    queries and keys by position in every layer.
+    ``self.attention_bias`` (state-dict keys ``decoder.attention_bias.kernel.*``); every
+    layer's :class:`BiasedSelfAttention` reads it through the shared :class:`AttentionSetup`
+    and lays out its own causal bias, so fairseq's future mask is never built.
+    ``args.rotary_embeddings`` rotates queries and keys by position in every layer. Layers are
+    built by fairseq's ``build_decoder_layer``, so activation checkpointing and FSDP wrap them
+    as they wrap stock layers.
     """
 
     def __init__(self, args, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
+        # fairseq builds the layers inside TransformerDecoder.__init__, through build_decoder_layer
+        self.setup = attention_setup(args)
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
-        kernel = build_kernel(args.bias_kernel, args.decoder_attention_heads, args)
-        self.attention_bias = AttentionBias(kernel, window=safe_getattr(args, "attn_window", 0))
-        self.block_size = safe_getattr(args, "attention_block_size", DEFAULT_BLOCK_SIZE)
-        if self.block_size < 0:
-            raise KernelConfigError(f"--attention-block-size must be >= 0 (0: no blocks), got {self.block_size}")
-        head_dim = args.decoder_embed_dim // args.decoder_attention_heads
-        rotary = RotaryEmbedding(head_dim) if safe_getattr(args, "rotary_embeddings", False) else None
-        max_cache_window = safe_getattr(args, "max_cache_window", 0)
-        if max_cache_window < 0:
-            raise KernelConfigError(f"--max-cache-window must be >= 0 (0: keep every key), got {max_cache_window}")
-        kernel_gradient = FusedKernelGradient(self.attention_bias) if kernel.per_head_parameters else None
-        for layer in self.layers:
-            stock = layer.self_attn
-            layer.self_attn = KernelBiasedSelfAttention(
-                stock.embed_dim,
-                stock.num_heads,
-                bias_source=self.attention_bias.forward,
-                weight_source=self.attention_bias.weight if kernel.has_weight else None,
-                rotary=rotary,
-                max_cache_window=max_cache_window,
-                fused=not safe_getattr(args, "unfused_attention", False),
-                kernel_gradient=kernel_gradient,
-                dropout=args.attention_dropout,
-                q_noise=args.quant_noise_pq,
-                qn_block_size=args.quant_noise_pq_block_size,
-            )
+        self.attention_bias = self.setup.bias
+
+    def build_decoder_layer(self, args, no_encoder_attn=False):
+        layer = partial(KernelBiasedDecoderLayer, setup=self.setup)
+        with replaced(transformer_layer, "TransformerDecoderLayerBase", layer):
+            return super().build_decoder_layer(args, no_encoder_attn=no_encoder_attn)
 
     def extract_features(self, prev_output_tokens, encoder_out=None, incremental_state=None,
                          full_context_alignment=False, alignment_layer=None, alignment_heads=None):
@@ -84,22 +118,10 @@ class KernelBiasedDecoder(TransformerDecoder):
                 metrics.log_scalar(f"kernel/{name}/h{head + 1}", per_head[head], priority=1000, round=4)
 
     def buffered_future_mask(self, tensor):
-        """The ``[heads, T, T]`` causal mask plus bias, or, for a sequence longer than one
-        attention block, a :class:`BlockedBias` that lays it out block by block."""
-        length = tensor.size(0)
-        block = self.attention_block_size()
-        if 0 < block < length:
-            return self.attention_bias.blocks(length, block)
-        return self.attention_bias(length, length, tensor.dtype, tensor.device)
-
-    def attention_block_size(self) -> int:
-        """Queries per attention block (0: no blocks): ``--attention-block-size``, or with a
-        window ``w`` at most ``max(w, MIN_WINDOW_BLOCK)``, so keys outside the window are skipped."""
-        block = self.block_size
-        window = self.attention_bias.window
-        if block > 0 and window > 0:
-            block = min(block, max(window, MIN_WINDOW_BLOCK))
-        return block
+        """None: each layer's attention lays out the causal mask and the kernel's bias itself, block
+        by block (it knows the positions of its queries and keys, which fairseq does not pass
+        during incremental decoding)."""
+        return None
 
     def max_positions(self):
         """Token positional embeddings bound the length; a bias kernel does not."""

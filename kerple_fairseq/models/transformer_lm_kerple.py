@@ -1,7 +1,5 @@
 """``transformer_lm`` with pluggable attention-bias kernels, and its architectures."""
 
-from contextlib import contextmanager
-
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models import transformer_lm
 from fairseq.models.transformer_lm import (
@@ -14,23 +12,10 @@ from fairseq.utils import safe_getattr
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels import KERNELS
 from kerple_fairseq.models.config import KernelBiasedLMConfig
-from kerple_fairseq.models.decoder import KernelBiasedDecoder
+from kerple_fairseq.models.decoder import KernelBiasedDecoder, replaced
 
 # the model; its architectures below are what --arch names
 MODEL_NAME = "kerple_lm"
-
-
-@contextmanager
-def _decoder_class(decoder_cls):
-    # TransformerLanguageModel.build_model builds the embeddings (plain, adaptive or
-    # character) and then instantiates the module-level name TransformerDecoder;
-    # pointing that name at our decoder for the call reuses all of it unchanged.
-    stock = transformer_lm.TransformerDecoder
-    transformer_lm.TransformerDecoder = decoder_cls
-    try:
-        yield
-    finally:
-        transformer_lm.TransformerDecoder = stock
 
 
 def check_positions(args) -> None:
@@ -58,7 +43,9 @@ class KernelBiasedLanguageModel(TransformerLanguageModel):
     def build_model(cls, args, task):
         kerple_base_architecture(args)
         check_positions(args)
-        with _decoder_class(KernelBiasedDecoder):
+        # TransformerLanguageModel.build_model builds the embeddings (plain, adaptive or
+        # character), then the module-level name TransformerDecoder
+        with replaced(transformer_lm, "TransformerDecoder", KernelBiasedDecoder):
             return super().build_model(args, task)
 
 

@@ -21,12 +21,10 @@ pays from about 512 keys on (measured on 2 CPU cores: at 128 keys the unfused pa
 ~1.4x faster, at 384 even, at 512 and 1024 ~1.2-1.7x slower for 2-3 parameters).
 """
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
-from kerple_fairseq.models.attention_bias import AttentionBias, toeplitz
+from kerple_fairseq.attention.distance_bias import DistanceBlockBias, toeplitz
 
 FLASH_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -34,56 +32,42 @@ FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_fo
 MIN_KEYS = 512
 
 
-class FusedKernelGradient:
-    """Attention through PyTorch's fused CPU kernel for a bias with learnable per-head parameters
-    (``kernel.per_head_parameters``), their gradient computed as in the module docstring."""
+def applies(q: Tensor, k: Tensor, bias: DistanceBlockBias, dropout: float) -> bool:
+    """On CPU, float32/float64, no attention dropout, at least ``MIN_KEYS`` keys, and a bias of
+    per-head parameters that needs a gradient."""
+    return (FLASH_FORWARD is not None and bias.per_head_parameters and bias.requires_grad and dropout == 0.0
+            and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and k.size(2) >= MIN_KEYS)
 
-    def __init__(self, bias: AttentionBias, min_keys: int = MIN_KEYS):
-        if not bias.kernel.per_head_parameters:
-            raise TypeError(f"bias kernel {bias.kernel.name!r} does not have per-head parameters")
-        self.bias = bias
-        self.min_keys = min_keys
 
-    def applies(self, q: Tensor, k: Tensor, mask: Optional[Tensor], dropout: float) -> bool:
-        """On CPU, float32/float64, no attention dropout, at least ``min_keys`` keys, and a mask
-        that needs a gradient."""
-        return (FLASH_FORWARD is not None and mask is not None and mask.requires_grad and dropout == 0.0
-                and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
-                and k.size(2) >= self.min_keys)
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, offset: int) -> Tensor:
-        """``softmax(q k^T + mask) v`` for ``q``, ``k``, ``v`` of shape ``[B, H, T, D]`` / ``[B, H, S, D]``
-        (q already scaled) and the bias ``mask`` ``[1, H, T, S]``, laid out with ``offset`` (the
-        first query's position minus the first key's) from the kernel's per-distance line."""
-        length = offset + q.size(2)
-        line = self.bias.per_distance_line("bias", length, q.dtype, q.device).detach()
-        tangents = self.bias.per_distance_line("tangents", length, q.dtype, q.device)
-        if not mask.is_contiguous():
-            # a block laid out under autograd is strided, which the fused kernel gathers slowly on
-            # every call: lay it out again, contiguously, from the line without a gradient
-            mask = toeplitz(line, q.size(2), k.size(2), float("-inf"), q.dtype, offset=offset)[None]
-        return _AttentionWithKernelGradient.apply(q, k, v, mask.detach(), line, tangents, offset,
-                                                  *self.bias.kernel.parameters())
+def attend_with_kernel_gradient(q: Tensor, k: Tensor, v: Tensor, bias: DistanceBlockBias) -> Tensor:
+    """``softmax(q k^T + B) v`` for ``q``, ``k``, ``v`` of shape ``[B, H, T, D]`` / ``[B, H, S, D]``
+    (q already scaled) and the block's bias ``B``, laid out without autograd from the kernel's
+    per-distance values; the kernel's parameters get their gradient as in the module docstring."""
+    values = bias.distance_values("bias", q.dtype, q.device).detach()
+    tangents = bias.distance_values("tangents", q.dtype, q.device)
+    offset = bias.block.offset
+    mask = toeplitz(values, q.size(2), k.size(2), float("-inf"), q.dtype, offset=offset)[None]
+    return _AttentionWithKernelGradient.apply(q, k, v, mask, values, tangents, offset, *bias.parameters)
 
 
 class _AttentionWithKernelGradient(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, line, tangents, offset, *parameters):
+    def forward(ctx, q, k, v, mask, values, tangents, offset, *parameters):
         # contiguous once: the fused kernel gathers strided inputs on every call, and backward makes several
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         # queries and keys at the same positions: the kernel may also skip the blocks above the
         # diagonal, which every mask here has at -inf anyway
         ctx.causal = offset == 0 and q.size(2) == k.size(2)
         out, lse = FLASH_FORWARD(q, k, v, 0.0, ctx.causal, attn_mask=mask, scale=1.0)
-        ctx.save_for_backward(q, k, v, mask, line, tangents, out, lse)
+        ctx.save_for_backward(q, k, v, mask, values, tangents, out, lse)
         ctx.offset = offset
         ctx.parameter_shapes = [(p.dtype, p.shape) for p in parameters]
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, mask, line, tangents, out, lse = ctx.saved_tensors
+        q, k, v, mask, values, tangents, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         grad_q, grad_k, grad_v = FLASH_BACKWARD(grad_out, q, k, v, out, lse, 0.0, ctx.causal, attn_mask=mask,
                                                  scale=1.0)
@@ -95,13 +79,13 @@ class _AttentionWithKernelGradient(torch.autograd.Function):
                 part = (sign * tangent).clamp(min=0)
                 if not bool((part > 0).any()):
                     continue
-                shifted_line = line + part.log()
-                shifted = toeplitz(shifted_line, q.size(2), k.size(2), float("-inf"), q.dtype, offset=ctx.offset)
-                shifted_out, shifted_lse = FLASH_FORWARD(q, k, v, 0.0, ctx.causal, attn_mask=shifted[None],
+                shifted = values + part.log()
+                shifted_mask = toeplitz(shifted, q.size(2), k.size(2), float("-inf"), q.dtype, offset=ctx.offset)
+                shifted_out, shifted_lse = FLASH_FORWARD(q, k, v, 0.0, ctx.causal, attn_mask=shifted_mask[None],
                                                           scale=1.0)
                 # a row with no key left (T = 0 wherever it may look) has mass 0; the fused kernel
                 # reports lse 0 for it, so such rows are dropped explicitly
-                alive = rows_seeing_a_key(shifted_line, q.size(2), k.size(2), ctx.offset)
+                alive = rows_seeing_a_key(shifted, q.size(2), k.size(2), ctx.offset)
                 mass = (shifted_lse - lse).exp()
                 per_row = mass * ((grad_out * shifted_out).sum(-1) - delta)
                 grad += sign * torch.where(alive, per_row, 0.0).sum((0, 2)).double()
@@ -110,12 +94,12 @@ class _AttentionWithKernelGradient(torch.autograd.Function):
                 *(grad.to(dtype).view(shape) for grad, (dtype, shape) in zip(grads, ctx.parameter_shapes)))
 
 
-def rows_seeing_a_key(line: Tensor, query_len: int, key_len: int, offset: int) -> Tensor:
-    """``[H, query_len]``: whether query ``t`` of ``toeplitz(line, query_len, key_len, -inf, offset=offset)``
-    has a finite entry, from a running count over the line (query ``t`` sees distances
-    ``max(0, offset + t - key_len + 1) .. offset + t``)."""
-    finite = torch.isfinite(line).to(torch.int64)
+def rows_seeing_a_key(per_distance: Tensor, query_len: int, key_len: int, offset: int) -> Tensor:
+    """``[H, query_len]``: whether query ``t`` of ``toeplitz(per_distance, query_len, key_len, -inf,
+    offset=offset)`` has a finite entry, from a running count over the distances (query ``t``
+    sees distances ``max(0, offset + t - key_len + 1) .. offset + t``)."""
+    finite = torch.isfinite(per_distance).to(torch.int64)
     count = torch.nn.functional.pad(finite.cumsum(-1), (1, 0))  # count[:, d] = finite distances below d
-    nearest = torch.arange(offset, offset + query_len, device=line.device)
+    nearest = torch.arange(offset, offset + query_len, device=per_distance.device)
     farthest = (nearest - key_len + 1).clamp(min=0)
     return count[:, nearest + 1] > count[:, farthest]

@@ -9,10 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from helpers import VOCAB, tiny_model
+from kerple_fairseq.attention import kernel_gradient
+from kerple_fairseq.attention.attend import choose_backend
+from kerple_fairseq.attention.blocks import QueryBlock
+from kerple_fairseq.attention.distance_bias import DistanceBias, toeplitz
+from kerple_fairseq.attention.kernel_gradient import attend_with_kernel_gradient, rows_seeing_a_key
 from kerple_fairseq.kernels import KERNELS, BiasKernel, build_kernel
-from kerple_fairseq.models import fused_kernel_gradient
-from kerple_fairseq.models.attention_bias import AttentionBias, toeplitz
-from kerple_fairseq.models.fused_kernel_gradient import FusedKernelGradient, rows_seeing_a_key
 from test_attention_blocks import REFERENCE, loss_and_gradients, pair
 
 PER_HEAD = sorted(name for name, cls in KERNELS.items() if cls.per_head_parameters)
@@ -49,7 +51,7 @@ def test_tangents_are_the_per_head_jacobian(name, window):
     """Element h of every parameter moves head h's bias alone, and ``tangents`` is that derivative."""
     torch.manual_seed(0)
     kernel = build_kernel(name, 4, kernel_options()).double()
-    bias = AttentionBias(kernel, window=window)
+    bias = DistanceBias(kernel, attention_window=window)
     distances = 20
     tangents = bias.tangents(distances)
     parameters = list(kernel.parameters())
@@ -84,19 +86,25 @@ def test_rows_seeing_a_key_match_the_laid_out_rows(query_len, key_len, offset, w
     assert torch.equal(rows_seeing_a_key(line, query_len, key_len, offset), torch.isfinite(laid_out).any(-1))
 
 
+def block_bias(bias, query_len, key_len, offset):
+    """The bias view of one block: queries ``offset ..`` positions after its first key."""
+    return bias.for_block(QueryBlock(0, query_len, 0, key_len, offset), offset + query_len, shared=False)
+
+
 def attention_gradients(bias, q, k, v, offset, fused):
-    """Output and gradients of q, k, v and every kernel parameter: through ``FusedKernelGradient``
-    (``fused``) or autograd through the laid-out bias and an explicit softmax."""
+    """Output and gradients of q, k, v and every kernel parameter: through the kernel gradient
+    backend (``fused``) or autograd through the laid-out bias and an explicit softmax."""
     parameters = list(bias.kernel.parameters())
     for tensor in [q, k, v, *parameters]:
         tensor.grad = None
     query_len, key_len = q.size(2), k.size(2)
     with bias.forward_scope():
-        mask = toeplitz(bias.per_distance(offset + query_len), query_len, key_len, float("-inf"), q.dtype,
-                        offset=offset)[None]
+        view = block_bias(bias, query_len, key_len, offset)
         if fused:
-            out = FusedKernelGradient(bias, min_keys=0)(q, k, v, mask, offset)
+            out = attend_with_kernel_gradient(q, k, v, view)
         else:
+            mask = toeplitz(bias.per_distance(offset + query_len), query_len, key_len, float("-inf"), q.dtype,
+                            offset=offset)[None]
             out = torch.softmax(q @ k.transpose(-1, -2) + mask, dim=-1).nan_to_num() @ v
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
     out.backward(grad_out)
@@ -114,7 +122,7 @@ def test_fused_gradient_equals_autograd_through_the_bias(kernel_name, window, qu
     with torch.no_grad():
         for p in kernel.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    bias = AttentionBias(kernel, window=window)
+    bias = DistanceBias(kernel, attention_window=window)
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 4, n, 8, generator=g, dtype=torch.float64, requires_grad=True)
                for n in (query_len, key_len, key_len))
@@ -127,8 +135,8 @@ def test_fused_gradient_equals_autograd_through_the_bias(kernel_name, window, qu
 
 def count_fused_gradients(monkeypatch):
     calls = []
-    original = fused_kernel_gradient._AttentionWithKernelGradient.apply
-    monkeypatch.setattr(fused_kernel_gradient._AttentionWithKernelGradient, "apply",
+    original = kernel_gradient._AttentionWithKernelGradient.apply
+    monkeypatch.setattr(kernel_gradient._AttentionWithKernelGradient, "apply",
                         lambda *a: calls.append(a[0].shape) or original(*a))
     return calls
 
@@ -141,13 +149,13 @@ def count_fused_gradients(monkeypatch):
 def test_models_train_through_the_fused_gradient_with_the_reference_gradients(kernel, flags, blocks, monkeypatch):
     """Whole float64 models (every parameter's gradient) against one explicit L x L softmax."""
     reference, model = pair(kernel, flags, ["--attention-block-size", "16" if blocks else "0"])
-    model.decoder.layers[0].self_attn.kernel_gradient.min_keys = 0  # shared by every layer
+    monkeypatch.setattr(kernel_gradient, "MIN_KEYS", 0)
     calls = count_fused_gradients(monkeypatch)
     g = torch.Generator().manual_seed(3)
     tokens, targets = (torch.randint(4, VOCAB + 4, (2, 70), generator=g) for _ in range(2))
     out, grads = loss_and_gradients(model, tokens, targets)
     layers = len(model.decoder.layers)
-    assert len(calls) == layers * (math.ceil(70 / model.decoder.attention_block_size()) if blocks else 1)
+    assert len(calls) == layers * (math.ceil(70 / model.decoder.setup.block_size_now()) if blocks else 1)
     expected_out, expected_grads = loss_and_gradients(reference, tokens, targets)
     torch.testing.assert_close(out, expected_out, rtol=0, atol=1e-6)
     scale = max(grad.abs().max().item() for grad in expected_grads.values())
@@ -156,10 +164,10 @@ def test_models_train_through_the_fused_gradient_with_the_reference_gradients(ke
         torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-6 * scale, msg=name)
 
 
-def test_float32_gradient_is_close_to_float64():
+def test_float32_gradient_is_close_to_float64(monkeypatch):
+    monkeypatch.setattr(kernel_gradient, "MIN_KEYS", 0)
     torch.manual_seed(0)
     model = tiny_model("kerple_log", *REFERENCE[:2]).train()
-    model.decoder.layers[0].self_attn.kernel_gradient.min_keys = 0
     reference = tiny_model("kerple_log", *REFERENCE).train().double()
     reference.load_state_dict(model.state_dict())
     tokens = torch.randint(4, VOCAB + 4, (2, 200))
@@ -170,27 +178,32 @@ def test_float32_gradient_is_close_to_float64():
 
 
 def test_when_the_fused_gradient_applies():
-    bias = AttentionBias(build_kernel("kerple_log", 4, kernel_options()))
-    fused = FusedKernelGradient(bias)
+    bias = DistanceBias(build_kernel("kerple_log", 4, kernel_options()))
     q = torch.zeros(1, 4, 600, 8)
-    with bias.forward_scope():
-        mask = bias(600, 600, torch.float32, "cpu")[None]
-    assert mask.requires_grad and fused.applies(q, q, mask, dropout=0.0)
-    assert not fused.applies(q, q[:, :, :100], mask, dropout=0.0), "too few keys to pay"
-    assert not fused.applies(q, q, mask, dropout=0.1), "attention dropout: the probabilities are random"
-    assert not fused.applies(q.half(), q, mask.half(), dropout=0.0)
-    assert not fused.applies(q, q, mask.detach(), dropout=0.0), "nothing to differentiate (evaluation)"
-    assert not fused.applies(q, q, None, dropout=0.0)
-    with pytest.raises(TypeError, match="per-head"):
-        FusedKernelGradient(AttentionBias(build_kernel("t5", 4, kernel_options())))
-    assert tiny_model("t5").decoder.layers[0].self_attn.kernel_gradient is None
-    assert tiny_model("alibi").decoder.layers[0].self_attn.kernel_gradient is None
+
+    def backend(q, k, dropout=0.0, source=bias, **options):
+        view = block_bias(source, q.size(2), k.size(2), k.size(2) - q.size(2))
+        settings = dict(fused=True, dropout=dropout, key_padding_mask=None, need_probabilities=False)
+        return choose_backend(q, k, view, **{**settings, **options})
+
+    assert backend(q, q) == "kernel gradient"
+    assert backend(q[:, :, :100], q[:, :, :100]) == "sdpa", "too few keys to pay"
+    assert backend(q, q, dropout=0.1) == "sdpa", "attention dropout: the probabilities are random"
+    assert backend(q.half(), q.half()) == "sdpa"
+    with torch.no_grad():
+        assert backend(q, q) == "sdpa", "nothing to differentiate (evaluation)"
+    assert backend(q, q, fused=False) == "explicit"
+    assert backend(q, q, need_probabilities=True) == "explicit"
+    assert backend(q, q, key_padding_mask=torch.zeros(1, 600, dtype=torch.bool)) == "explicit"
+    for name in ("t5", "alibi"):  # no per-head parameters / no parameters
+        assert backend(q, q, source=DistanceBias(build_kernel(name, 4, kernel_options()))) == "sdpa", name
+    assert backend(q, q, source=DistanceBias(build_kernel("kerple_bias_wht", 4, kernel_options()))) == "explicit"
 
 
 def test_dropout_falls_back_to_scaled_dot_product_attention(monkeypatch):
     calls = count_fused_gradients(monkeypatch)
+    monkeypatch.setattr(kernel_gradient, "MIN_KEYS", 0)
     model = tiny_model("kerple_log", "--attention-dropout", "0.1").train()
-    model.decoder.layers[0].self_attn.kernel_gradient.min_keys = 0
     tokens = torch.randint(4, VOCAB + 4, (2, 40))
     logits, _ = model(tokens)
     F.cross_entropy(logits.view(-1, logits.size(-1)), tokens.view(-1)).backward()

@@ -1,0 +1,62 @@
+"""Which queries are attended together, and which keys each block of them sees.
+
+One call of self-attention has ``num_queries`` new queries and ``num_keys`` keys (the
+cache included); the queries are the last ``num_queries`` positions of the keys. Dense
+attention is one block of every query; incremental decoding is one block of the new
+queries at an offset; a long sequence is split into blocks of ``block_size`` queries,
+so no ``queries x keys`` tensor exists, and with an attention window a block sees only
+the keys inside it.
+"""
+
+from dataclasses import dataclass
+from typing import List
+
+#: smallest block of queries under an attention window: smaller blocks cost more in
+#: per-block overhead than the keys they skip save
+MIN_WINDOW_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class QueryBlock:
+    """Queries ``[query_start, query_end)`` against keys ``[key_start, key_end)`` (indices into
+    the call's queries and keys). Query ``t`` and key ``s`` of the block are
+    ``offset + t - s`` positions apart; negative means the key is in the query's future."""
+
+    query_start: int
+    query_end: int
+    key_start: int
+    key_end: int
+    offset: int
+
+    @property
+    def num_queries(self) -> int:
+        return self.query_end - self.query_start
+
+    @property
+    def num_keys(self) -> int:
+        return self.key_end - self.key_start
+
+
+def effective_block_size(block_size: int, attention_window: int) -> int:
+    """Queries per block (0: one block): ``block_size``, or under a window of ``w`` keys at most
+    ``max(w, MIN_WINDOW_BLOCK)``, so that the keys outside the window are skipped."""
+    if block_size > 0 and attention_window > 0:
+        return min(block_size, max(attention_window, MIN_WINDOW_BLOCK))
+    return block_size
+
+
+def query_blocks(num_queries: int, num_keys: int, block_size: int = 0, attention_window: int = 0) -> List[QueryBlock]:
+    """The blocks of one call: all queries at once when ``block_size`` is 0 or covers them,
+    otherwise consecutive blocks of ``block_size`` queries. A block's keys end with its last
+    query (causality) and start at the first key its first query sees (the window's)."""
+    if num_queries < 1 or num_keys < num_queries:
+        raise ValueError(f"{num_queries} queries need at least as many keys, got {num_keys}")
+    first_position = num_keys - num_queries  # of query 0, counted from key 0
+    size = block_size if 0 < block_size < num_queries else num_queries
+    blocks = []
+    for start in range(0, num_queries, size):
+        end = min(start + size, num_queries)
+        position = first_position + start
+        key_start = max(0, position - attention_window + 1) if attention_window else 0
+        blocks.append(QueryBlock(start, end, key_start, first_position + end, position - key_start))
+    return blocks

@@ -1,0 +1,144 @@
+"""The self-attention module of the plugin's decoder layers."""
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+from fairseq.modules import MultiheadAttention
+from torch import Tensor
+
+from kerple_fairseq.attention.attend import attend, biased_scores
+from kerple_fairseq.attention.blocks import effective_block_size, query_blocks
+from kerple_fairseq.attention.distance_bias import DistanceBias
+from kerple_fairseq.attention.rotary import RotaryEmbedding
+
+
+@dataclass
+class AttentionSetup:
+    """How every layer of one decoder attends. The decoder builds it once and owns the modules in
+    it (the bias's parameters are registered once, in the decoder); each layer keeps a reference.
+
+    ``block_size``: queries per block for long sequences (0: one block); ``fused``: allow the
+    fused backends; ``cache_size``: incremental decoding keeps only this many most recent keys
+    (0: all of them)."""
+
+    bias: DistanceBias
+    rotary: Optional[RotaryEmbedding] = None
+    block_size: int = 0
+    fused: bool = True
+    cache_size: int = 0
+
+    def block_size_now(self) -> int:
+        return effective_block_size(self.block_size, self.bias.attention_window)
+
+
+class BiasedSelfAttention(MultiheadAttention):
+    """fairseq's self-attention with a positional bias (and rotary positions) on every path.
+
+    The forward pass projects, rotates, updates the key/value cache, attends block by block
+    (:func:`~kerple_fairseq.attention.attend.attend` picks the backend per block) and projects
+    out. The module lays out its own causal bias, so fairseq's ``attn_mask`` must be None (the
+    plugin's decoder passes none). The cache has fairseq's layout plus ``positions_seen`` (a
+    ``[batch]`` tensor, so beam-search reordering carries it); with ``setup.cache_size = w`` it
+    keeps only the last ``w`` keys and values (Sandwich App. B), and the new query then attends
+    as under a window of ``w``.
+
+    Parameters and state-dict keys are those of :class:`MultiheadAttention`.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, setup: AttentionSetup, dropout: float = 0.0,
+                 q_noise: float = 0.0, qn_block_size: int = 8):
+        super().__init__(embed_dim, num_heads, dropout=dropout, self_attention=True,
+                         q_noise=q_noise, qn_block_size=qn_block_size)
+        self.setup = setup
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Optional[Tensor],
+        value: Optional[Tensor],
+        key_padding_mask: Optional[Tensor] = None,
+        incremental_state: Optional[Dict[str, Dict[str, Optional[Tensor]]]] = None,
+        need_weights: bool = True,
+        static_kv: bool = False,
+        attn_mask: Optional[Tensor] = None,
+        before_softmax: bool = False,
+        need_head_weights: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        if static_kv or attn_mask is not None:
+            raise ValueError("BiasedSelfAttention is causal self-attention with its own bias: static_kv and "
+                             "attn_mask are not taken")
+        num_queries, batch, embed_dim = query.size()
+        q, k, v = self._project(query)
+        saved = self._get_input_buffer(incremental_state) if incremental_state is not None else {}
+        first_position = int(saved["positions_seen"][0]) if "positions_seen" in saved else 0
+        if self.setup.rotary is not None:
+            q, k = self.setup.rotary(q, k, offset=first_position)
+        if incremental_state is not None:
+            k, v, key_padding_mask = self._update_cache(incremental_state, saved, k, v, key_padding_mask,
+                                                       first_position + num_queries)
+
+        need_probabilities = need_weights or need_head_weights
+        whole_rows = need_probabilities or before_softmax  # returned per (query, key): one block
+        blocks = query_blocks(num_queries, k.size(2), 0 if whole_rows else self.setup.block_size_now(),
+                              self.setup.bias.attention_window)
+        biases = [self.setup.bias.for_block(block, k.size(2), shared=len(blocks) == 1) for block in blocks]
+        if before_softmax:
+            scores = biased_scores(q, k, biases[0], key_padding_mask)
+            return scores.flatten(0, 1), v.flatten(0, 1)
+        dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
+        pieces, probabilities = [], None
+        for block, bias in zip(blocks, biases):
+            keys = slice(block.key_start, block.key_end)
+            attended, probabilities = attend(
+                q[:, :, block.query_start:block.query_end], k[:, :, keys], v[:, :, keys], bias,
+                fused=self.setup.fused, dropout=dropout,
+                key_padding_mask=None if key_padding_mask is None else key_padding_mask[:, keys],
+                need_probabilities=need_probabilities)
+            pieces.append(attended)
+        attended = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+        out = self.out_proj(attended.permute(2, 0, 1, 3).reshape(num_queries, batch, embed_dim))
+        return out, self._returned_weights(probabilities, need_head_weights)
+
+    def _project(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """Queries (scaled by ``1/sqrt(head_dim)``), keys and values, ``[B, H, T, head_dim]``."""
+        num_queries, batch, _ = x.size()
+
+        def split_heads(y: Tensor) -> Tensor:
+            return y.view(num_queries, batch, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+
+        return split_heads(self.q_proj(x) * self.scaling), split_heads(self.k_proj(x)), split_heads(self.v_proj(x))
+
+    def _update_cache(self, incremental_state, saved: Dict[str, Optional[Tensor]], k: Tensor, v: Tensor,
+                      key_padding_mask: Optional[Tensor], positions_seen: int):
+        """Append the new keys and values to the cache (trimmed to ``setup.cache_size``); returns
+        every key, value and key padding the new queries attend to."""
+        num_queries, batch = k.size(2), k.size(0)
+        if "prev_key" in saved:
+            k = torch.cat([saved["prev_key"], k], dim=2)
+            v = torch.cat([saved["prev_value"], v], dim=2)
+        key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
+            key_padding_mask=key_padding_mask, prev_key_padding_mask=saved.get("prev_key_padding_mask"),
+            batch_size=batch, src_len=k.size(2), static_kv=False)
+        size = self.setup.cache_size
+        if size and num_queries > 1:
+            raise ValueError("--max-cache-window decodes one token per step, as fairseq's incremental "
+                             f"decoding does ({num_queries} given)")
+        if size and k.size(2) > size:
+            # the new query sees the last `size` keys; older ones are never needed again
+            k, v = k[:, :, -size:], v[:, :, -size:]
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask[:, -size:]
+        saved["prev_key"], saved["prev_value"] = k, v
+        saved["prev_key_padding_mask"] = key_padding_mask
+        saved["positions_seen"] = torch.full((batch,), positions_seen, dtype=torch.long, device=k.device)
+        self._set_input_buffer(incremental_state, saved)
+        return k, v, key_padding_mask
+
+    @staticmethod
+    def _returned_weights(probabilities: Optional[Tensor], per_head: bool) -> Optional[Tensor]:
+        """fairseq's layout: ``[H, B, T, S]`` per head, else averaged over heads."""
+        if probabilities is None:
+            return None
+        weights = probabilities.transpose(0, 1)
+        return weights if per_head else weights.mean(dim=0)

@@ -1,0 +1,97 @@
+"""A kernel's per-distance values laid out as the causal bias of blocks of queries (the one layout
+test every kernel goes through), windows composed with every kernel, incremental rows."""
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+import reference
+from kerple_fairseq.attention.blocks import QueryBlock, query_blocks
+from kerple_fairseq.attention.distance_bias import DistanceBias
+from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.kernels import KERNELS, build_kernel
+
+WINDOW = 7  # the window kernel's --attn-window here
+NAMES = sorted(KERNELS)
+
+
+def distance_bias(name, heads=8, attention_window=0):
+    torch.manual_seed(3)
+    kernel = build_kernel(name, heads, argparse.Namespace())
+    window = attention_window or (WINDOW if kernel.requires_window else 0)
+    return DistanceBias(kernel, attention_window=window)
+
+
+def laid_out(bias, block, kind="bias", num_distances=None):
+    """A block's bias or weight; the call's per-distance values span ``num_distances`` (default:
+    just the block's)."""
+    view = bias.for_block(block, num_distances or block.offset + block.num_queries, shared=False)
+    return (view.mask if kind == "bias" else view.weight)(torch.float32, "cpu")
+
+
+def assert_matches(actual, expected, rtol=2e-6, atol=1e-5):
+    actual = actual.detach().numpy()
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(np.isfinite(actual), finite)
+    np.testing.assert_array_equal(actual[~finite], expected[~finite])
+    np.testing.assert_allclose(actual[finite], expected[finite], rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("window", [0, 5])
+def test_window_composes_with_every_kernel(name, window):
+    """The laid-out bias of 40 queries is the kernel's float64 reference at ``i - j`` (``-inf``
+    in the future and outside the window); each query sees exactly ``min(i + 1, w)`` keys."""
+    bias = distance_bias(name, attention_window=window)
+    mask = laid_out(bias, QueryBlock(0, 40, 0, 40, 0))
+    bias_fn, _ = reference.reference_functions(bias.kernel, {})
+    if bias.attention_window:
+        bias_fn = reference.windowed(bias_fn, bias.attention_window)
+    assert_matches(mask, reference.bias_matrix(8, 40, bias_fn))
+    if bias.attention_window:
+        assert (torch.isfinite(mask).sum(-1) == torch.arange(1, 41).clamp(max=bias.attention_window)).all()
+    if bias.kernel.has_weight:
+        _, weight_fn = reference.reference_functions(bias.kernel, {})
+        assert_matches(laid_out(bias, QueryBlock(0, 40, 0, 40, 0), "weight"), reference.weight_matrix(8, 40, weight_fn))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_incremental_rows_and_blocks_are_rows_of_the_full_bias(name):
+    """Queries after a cache (one block at an offset) and the blocks of a long sequence lay out
+    exactly the rows and columns of the full bias they cover (from the same per-distance values,
+    as in a model: a call's blocks share one vector over its keys)."""
+    bias = distance_bias(name)
+    kinds = ["bias", "weight"] if bias.kernel.has_weight else ["bias"]
+    for kind in kinds:
+        full = laid_out(bias, QueryBlock(0, 40, 0, 40, 0), kind)
+        for new in (1, 7):
+            (block,) = query_blocks(new, 40)
+            torch.testing.assert_close(laid_out(bias, block, kind, 40), full[:, -new:, :], rtol=0, atol=0)
+        for block in query_blocks(40, 40, block_size=16, attention_window=bias.attention_window):
+            torch.testing.assert_close(
+                laid_out(bias, block, kind, 40),
+                full[:, block.query_start:block.query_end, block.key_start:block.key_end], rtol=0, atol=0)
+
+
+def test_shared_block_is_laid_out_once_per_forward_and_blocks_of_a_long_sequence_are_not_kept():
+    bias = distance_bias("alibi")
+    laid = []
+    original = bias.per_distance
+    bias.per_distance = lambda *a: laid.append(a) or original(*a)
+    (block,) = query_blocks(30, 30)
+    with bias.forward_scope():
+        first = bias.for_block(block, 30, shared=True).mask(torch.float32, "cpu")
+        assert bias.for_block(block, 30, shared=True).mask(torch.float32, "cpu") is first
+        blocks = query_blocks(30, 30, block_size=8)
+        masks = [bias.for_block(b, 30, shared=False).mask(torch.float32, "cpu") for b in blocks]
+        assert masks[1] is not bias.for_block(blocks[1], 30, shared=False).mask(torch.float32, "cpu")
+    assert len(laid) == 1, "the kernel is evaluated once per forward for every block"
+
+
+def test_window_needs_a_positive_window():
+    with pytest.raises(KernelConfigError, match="--bias-kernel window needs --attn-window W > 0"):
+        DistanceBias(build_kernel("window", 8))
+    with pytest.raises(KernelConfigError, match="--attn-window must be >= 0"):
+        DistanceBias(build_kernel("alibi", 8), attention_window=-1)
