@@ -99,6 +99,7 @@ def test_alibi_effective_length_closed_form(num_heads):
         "just above -2 the closed form ceil(2/m_h) holds for every head"
 
 
+@pytest.mark.slow
 def test_effective_length_command_matches_direct_computation(trained, data_bin, tmp_path):
     paths = [ckpt(trained, "alibi"), ckpt(trained, "kerple_log")]
     analyze("effective-length", "--path", *paths, "--labels", "A", "K", "--out", tmp_path)
@@ -120,6 +121,7 @@ def test_effective_length_command_matches_direct_computation(trained, data_bin, 
 # ---------------------------------------------------------------- kernel curves
 
 
+@pytest.mark.slow
 def test_kernels_command_matches_the_formulas(trained, windowed, data_bin, tmp_path):
     paths = [ckpt(trained, "alibi"), ckpt(trained, "kerple_log"), windowed]
     analyze("kernels", "--path", *paths, "--labels", "A", "K", "W", "--max-distance", "300", "--out", tmp_path)
@@ -157,6 +159,7 @@ def brute_force_position_loss(model, stream, length):
     return sums / counts, counts
 
 
+@pytest.mark.slow
 def test_position_wise_command_matches_brute_force(trained, data_bin, tmp_path):
     length = 160
     path = ckpt(trained, "kerple_log")
@@ -232,6 +235,7 @@ def direct_receptive_field(model, stream, length, num_segments, mass):
     return by_recency, int(np.argmax(cumulative > mass)) + 1
 
 
+@pytest.mark.slow
 def test_receptive_field_command_matches_direct_computation(trained, windowed, data_bin, tmp_path):
     length, segments = 96, 6
     paths = [ckpt(trained, "kerple_log"), windowed]
@@ -257,6 +261,7 @@ def test_receptive_field_command_matches_direct_computation(trained, windowed, d
 # ---------------------------------------------------------------- without matplotlib, and bad input
 
 
+@pytest.mark.slow
 def test_without_matplotlib_the_numbers_are_written_and_the_fix_is_named(trained, tmp_path):
     code = ("import sys; sys.modules['matplotlib'] = None\n"
             "from kerple_fairseq.analysis.cli import cli_main\n"
@@ -268,6 +273,7 @@ def test_without_matplotlib_the_numbers_are_written_and_the_fix_is_named(trained
     assert len(read_csv(tmp_path / "kernels.csv")) == 4 * 2049
 
 
+@pytest.mark.slow
 def test_bad_input_through_the_installed_command(tmp_path):
     proc = analyze("kernels", "--path", tmp_path / "missing.pt", "--out", tmp_path / "out", check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
@@ -275,6 +281,7 @@ def test_bad_input_through_the_installed_command(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_bad_input(trained, data_bin, tmp_path, capsys):
     from kerple_fairseq.analysis.cli import cli_main
 

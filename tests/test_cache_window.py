@@ -48,6 +48,7 @@ def test_trimmed_cache_equals_scoring_with_the_window(kernel, flags):
         assert (incremental(untrimmed, tokens)[0] - decoded).abs().max() > 1e-6
 
 
+@pytest.mark.slow
 def test_alibi_with_a_2048_cache_is_close_to_the_full_cache():
     """4 heads, slopes 1/4 .. 1/256: a key 2048 back is down-weighted by exp(-8) in the slowest head.
     Measured over tokens 2049..2400 of a 2400-token sequence: max |diff| of log-probabilities 4.6e-5 (mean 6e-6)."""

@@ -11,6 +11,9 @@ from fairseq import checkpoint_utils
 
 from conftest import BIN, REPO, run, stock_eval_lm
 
+# checkpoints trained with fairseq-train and the installed command in subprocesses
+pytestmark = pytest.mark.slow
+
 EVAL_LM = BIN / "kerple-eval-lm"
 
 
@@ -70,7 +73,7 @@ def brute_force_last_token(model, stream, targets, length):
 
 
 def test_last_token_equals_brute_force_and_scores_the_same_targets(trained, data_bin, tmp_path):
-    from kerple_fairseq.evaluation import windows as W
+    from kerple_fairseq.evaluation import spans as S
     from kerple_fairseq.evaluation.loading import token_stream
 
     lengths, num_targets = [8, 64, 300], 50
@@ -80,13 +83,13 @@ def test_last_token_equals_brute_force_and_scores_the_same_targets(trained, data
         [str(ckpt(trained, "kerple_log"))], arg_overrides={"data": str(data_bin)})
     model = models[0].eval()
     stream = token_stream(task, str(data_bin), "valid")
-    targets = W.last_token_targets(len(stream), max(lengths), num_targets)
+    targets = S.last_token_targets(len(stream), max(lengths), num_targets)
     assert targets.min() >= max(lengths) - 1 and len(set(targets.tolist())) == num_targets
     for record, length in zip(records, lengths):
         assert record["num_tokens"] == num_targets
-        windows = W.last_token(targets, length)
-        assert [w.score_from for w in windows] == targets.tolist(), "the same targets at every length"
-        assert all(w.end - w.start == length - 1 for w in windows), "exactly L-1 tokens of context"
+        spans = S.last_token(targets, length)
+        assert [w.score_from for w in spans] == targets.tolist(), "the same targets at every length"
+        assert all(w.end - w.start == length - 1 for w in spans), "exactly L-1 tokens of context"
         expected = -brute_force_last_token(model, stream, targets, length) / num_targets / math.log(2)
         assert record["loss"] == pytest.approx(expected, rel=1e-5)
 

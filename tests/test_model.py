@@ -224,6 +224,7 @@ def test_none_kernel_equals_stock_transformer_lm_without_positions():
         torch.testing.assert_close(full_log_probs(ours, tokens), full_log_probs(stock, tokens), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
 def test_half_precision_forward_is_finite_and_close_to_float32(kernel, dtype):
@@ -237,6 +238,7 @@ def test_half_precision_forward_is_finite_and_close_to_float32(kernel, dtype):
     assert (half - reference).abs().max() < 0.1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["alibi", "kerple_log", "kerple_power"])
 def test_float16_forward_at_4096_matches_float32(kernel):
     """CPU half precision at L = 4096: log-probabilities within 0.02 of float32 (measured here:

@@ -11,7 +11,7 @@ from typing import Tuple
 import numpy as np
 import torch
 
-from kerple_fairseq.evaluation import windows as W
+from kerple_fairseq.evaluation import spans as S
 from kerple_fairseq.evaluation.scorer import WindowScorer, loss_by_position
 
 
@@ -20,7 +20,7 @@ def position_wise_loss(model, stream: torch.Tensor, eos: int, length: int, max_t
     """Mean base-2 loss at positions ``0 .. length-1`` of the early-token-cursed blocks, with counts."""
     inputs = torch.cat([stream.new_tensor([eos]), stream[:-1]])
     scorer = WindowScorer(model, inputs, stream, max_tokens, device, progress=progress)
-    scores = scorer.score(W.early_token_cursed(len(stream), length), description=f"position-wise L={length}")
+    scores = scorer.score(S.early_token_cursed(len(stream), length), description=f"position-wise L={length}")
     return loss_by_position(length, scores)
 
 

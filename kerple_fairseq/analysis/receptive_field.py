@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from kerple_fairseq.evaluation import windows as W
+from kerple_fairseq.evaluation import spans as S
 
 
 @dataclass
@@ -45,8 +45,8 @@ class ReceptiveField:
         return int(nonzero[-1]) + 1 if nonzero.size else 0
 
 
-def theoretical_receptive_field(window: int, num_layers: int) -> Optional[int]:
-    return (window - 1) * num_layers + 1 if window > 0 else None
+def theoretical_receptive_field(attention_window: int, num_layers: int) -> Optional[int]:
+    return (attention_window - 1) * num_layers + 1 if attention_window > 0 else None
 
 
 def gradient_shares(model, inputs: Tensor, targets: Tensor) -> np.ndarray:
@@ -78,10 +78,10 @@ def receptive_field(model, stream: Tensor, length: int, num_segments: int, mass:
     """Mean gradient shares over ``num_segments`` segments of ``length`` tokens spread evenly over ``stream``.
 
     Segment ``k`` is the ``length`` tokens before target ``t_k`` (the last-token protocol's
-    targets for windows of ``length + 1`` tokens).
+    targets for spans of ``length + 1`` tokens).
     """
     model.requires_grad_(False)  # gradients for the embeddings only; keeps the bias cached
-    targets = W.last_token_targets(len(stream), length + 1, num_segments)
+    targets = S.last_token_targets(len(stream), length + 1, num_segments)
     batch_size = max(1, max_tokens // length)
     total = np.zeros(length)
     with tqdm(total=num_segments, desc=f"receptive field L={length}", unit="segment", file=sys.stderr,

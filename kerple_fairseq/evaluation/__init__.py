@@ -1,1 +1,1 @@
-"""Length-extrapolation evaluation: token windows for each protocol, and their batched scoring."""
+"""Length-extrapolation evaluation: token spans for each protocol, and their batched scoring."""

@@ -21,7 +21,7 @@ from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from kerple_fairseq.errors import UsageError
-from kerple_fairseq.evaluation import windows as W
+from kerple_fairseq.evaluation import spans as S
 from kerple_fairseq.evaluation.loading import (check_checkpoint, check_data_bin, length_limit, load_language_model,
                                                token_stream)
 from kerple_fairseq.evaluation.scorer import WindowScorer, loss_by_position
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = options.get_eval_lm_parser()
     parser.prog = PROG
     group = parser.add_argument_group("length extrapolation (kerple-eval-lm)")
-    group.add_argument("--protocol", choices=W.PROTOCOLS + ("all",), default="early-token-cursed",
+    group.add_argument("--protocol", choices=S.PROTOCOLS + ("all",), default="early-token-cursed",
                        help="early-token-cursed: non-overlapping blocks, every token scored; sliding: "
                        "fairseq's --context-window C; last-token: the same --num-targets targets at "
                        "every length, each after exactly L-1 tokens; all: the first and last, and "
@@ -161,7 +161,7 @@ def evaluate(args, cfg) -> int:
         if min(lengths) < 2:
             raise UsageError("the last-token protocol needs lengths >= 2")
         try:
-            targets = W.last_token_targets(len(stream), max(lengths), args.num_targets)
+            targets = S.last_token_targets(len(stream), max(lengths), args.num_targets)
         except ValueError as e:
             raise UsageError(str(e)) from e
 
@@ -175,11 +175,11 @@ def evaluate(args, cfg) -> int:
             continue
         for protocol in protocols:
             if protocol == "early-token-cursed":
-                spans = W.early_token_cursed(len(stream), length)
+                spans = S.early_token_cursed(len(stream), length)
             elif protocol == "sliding":
-                spans = W.sliding(len(stream), length, args.context_window)
+                spans = S.sliding(len(stream), length, args.context_window)
             else:
-                spans = W.last_token(targets, length)
+                spans = S.last_token(targets, length)
             scores = scorer.score(spans, description=f"{protocol} L={length}")
             records.append(summarise(protocol, length, scores))
             if protocol == "early-token-cursed" and args.position_wise:

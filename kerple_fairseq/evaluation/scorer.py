@@ -1,4 +1,4 @@
-"""Batched scoring of token windows with a fairseq language model."""
+"""Batched scoring of token spans with a fairseq language model."""
 
 import math
 import sys
@@ -9,17 +9,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from kerple_fairseq.evaluation.windows import Window
+from kerple_fairseq.evaluation.spans import ScoredSpan
 
 # positions per output-layer call: bounds the [batch, positions, vocab] log-probabilities
 OUTPUT_CHUNK_TOKENS = 4096
 
 
 class WindowScorer:
-    """Log-probabilities of the scored targets of each window.
+    """Log-probabilities of the scored targets of each span.
 
     ``inputs`` and ``targets`` are the split's model inputs and next tokens (see
-    :mod:`kerple_fairseq.evaluation.windows`). Windows of equal length are
+    :mod:`kerple_fairseq.evaluation.spans`). Spans of equal length are
     batched up to ``max_tokens`` input tokens per forward pass; only scored
     positions go through the output layer, in chunks.
     """
@@ -33,24 +33,24 @@ class WindowScorer:
         self.progress = progress
 
     @torch.no_grad()
-    def score(self, windows: Sequence[Window], description: str = "") -> List[np.ndarray]:
-        """Natural-log probabilities of ``targets[w.score_from:w.end]`` for each window ``w``."""
+    def score(self, spans: Sequence[ScoredSpan], description: str = "") -> List[np.ndarray]:
+        """Natural-log probabilities of ``targets[w.score_from:w.end]`` for each span ``w``."""
         by_length: Dict[int, List[int]] = defaultdict(list)
-        for index, w in enumerate(windows):
+        for index, w in enumerate(spans):
             by_length[w.length].append(index)
-        results: List[np.ndarray] = [None] * len(windows)
-        bar = tqdm(total=len(windows), desc=description, unit="window", file=sys.stderr,
+        results: List[np.ndarray] = [None] * len(spans)
+        bar = tqdm(total=len(spans), desc=description, unit="span", file=sys.stderr,
                    disable=not self.progress, mininterval=2.0, leave=False)
         for length, indices in by_length.items():
             batch_size = max(1, self.max_tokens // length)
             for first in range(0, len(indices), batch_size):
                 chunk = indices[first:first + batch_size]
-                self._score_batch([windows[i] for i in chunk], chunk, results)
+                self._score_batch([spans[i] for i in chunk], chunk, results)
                 bar.update(len(chunk))
         bar.close()
         return results
 
-    def _score_batch(self, batch: List[Window], indices: List[int], results: List[np.ndarray]) -> None:
+    def _score_batch(self, batch: List[ScoredSpan], indices: List[int], results: List[np.ndarray]) -> None:
         src = torch.stack([self.inputs[w.start:w.end] for w in batch]).to(self.device)
         tgt = torch.stack([self.targets[w.start:w.end] for w in batch]).to(self.device)
         offset = min(w.score_from - w.start for w in batch)
@@ -69,8 +69,8 @@ class WindowScorer:
 
 
 def loss_by_position(length: int, scores: List[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
-    """Mean base-2 loss at positions ``0 .. length-1`` of windows scored from their start, and
-    the number of windows reaching each position (a split's last block may be shorter)."""
+    """Mean base-2 loss at positions ``0 .. length-1`` of spans scored from their start, and
+    the number of spans reaching each position (a split's last block may be shorter)."""
     sums = np.zeros(length)
     counts = np.zeros(length, dtype=np.int64)
     for s in scores:

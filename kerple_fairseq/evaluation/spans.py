@@ -4,9 +4,9 @@ Everything works on one split as a single token stream ``stream`` (fairseq's
 ``--sample-break-mode none``: every line's tokens followed by its end-of-sentence
 symbol). The model input at stream position ``p`` is the previous token,
 ``inputs = [eos] + stream[:-1]``, exactly as fairseq's ``TokenBlockDataset``
-builds it, so a window ``[start, end)`` of inputs predicts ``stream[start:end]``.
+builds it, so a span ``[start, end)`` of inputs predicts ``stream[start:end]``.
 
-A :class:`Window` is such a span plus the first position whose prediction is
+A :class:`ScoredSpan` is such a span of inputs plus the first position whose prediction is
 scored; positions before it only provide context.
 """
 
@@ -19,7 +19,7 @@ PROTOCOLS = ("early-token-cursed", "sliding", "last-token")
 
 
 @dataclass(frozen=True)
-class Window:
+class ScoredSpan:
     start: int  # first input position (inclusive)
     end: int  # last input position (exclusive)
     score_from: int  # first scored target position, start <= score_from < end
@@ -29,26 +29,26 @@ class Window:
         return self.end - self.start
 
 
-def early_token_cursed(num_tokens: int, length: int) -> List[Window]:
+def early_token_cursed(num_tokens: int, length: int) -> List[ScoredSpan]:
     """Consecutive non-overlapping blocks of ``length`` tokens, every token scored.
 
     Equals ``fairseq-eval-lm --tokens-per-sample L --context-window 0``: the first
     token of a block is predicted from the one token before it, the last from ``L``.
     """
-    return [Window(s, min(s + length, num_tokens), s) for s in range(0, num_tokens, length)]
+    return [ScoredSpan(s, min(s + length, num_tokens), s) for s in range(0, num_tokens, length)]
 
 
-def sliding(num_tokens: int, length: int, context_window: int) -> List[Window]:
+def sliding(num_tokens: int, length: int, context_window: int) -> List[ScoredSpan]:
     """fairseq's ``--context-window C`` at ``--tokens-per-sample L``.
 
     Blocks of ``L - C`` scored tokens, each fed with up to ``C`` tokens before it,
-    so every window is at most ``L`` long and the stride is ``L - C``
+    so every span is at most ``L`` long and the stride is ``L - C``
     (``C = L - 1`` slides one token at a time).
     """
     if not 0 <= context_window < length:
         raise ValueError(f"--context-window must be in [0, {length}) for length {length}, got {context_window}")
     stride = length - context_window
-    return [Window(max(0, s - context_window), min(s + stride, num_tokens), s)
+    return [ScoredSpan(max(0, s - context_window), min(s + stride, num_tokens), s)
             for s in range(0, num_tokens, stride)]
 
 
@@ -74,12 +74,12 @@ def last_token_targets(num_tokens: int, max_length: int, num_targets: int) -> np
     return targets
 
 
-def last_token(targets: np.ndarray, length: int) -> List[Window]:
+def last_token(targets: np.ndarray, length: int) -> List[ScoredSpan]:
     """Sandwich §3.4: each target seen after exactly ``L - 1`` tokens, only it scored.
 
-    The window is the ``L`` tokens ending at the target: inputs for positions
+    The span is the ``L`` tokens ending at the target: inputs for positions
     ``t - L + 2 .. t``, i.e. the ``L - 1`` tokens ``stream[t-L+1 .. t-1]``.
     """
     if length < 2:
         raise ValueError("the last-token protocol needs lengths >= 2 (one token of context)")
-    return [Window(int(t) - length + 2, int(t) + 1, int(t)) for t in targets]
+    return [ScoredSpan(int(t) - length + 2, int(t) + 1, int(t)) for t in targets]
