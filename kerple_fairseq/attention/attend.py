@@ -48,8 +48,6 @@ from torch import Tensor
 from kerple_fairseq.attention import kernel_gradient
 from kerple_fairseq.attention.distance_bias import DistanceBlockBias
 
-BACKENDS = ("explicit", "sdpa", "kernel gradient")
-
 
 def choose_backend(q: Tensor, k: Tensor, bias: DistanceBlockBias, *, fused: bool, dropout: float,
                    key_padding_mask: Optional[Tensor], need_probabilities: bool) -> str:
