@@ -323,3 +323,24 @@ def test_weight_kernel_multiplies_the_scaled_logits():
         bias = torch.where(causal, -r1 * dpos ** r2, torch.tensor(float("-inf")))
         expected = torch.softmax(q @ k.transpose(-1, -2) * weight + bias, dim=-1)
     torch.testing.assert_close(weights.transpose(0, 1), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_attention_weights_cover_every_key_with_a_window_and_a_cache():
+    """Weights returned while decoding token by token under a window are the rows of the full
+    weights: every cached key, 0 outside the window."""
+    torch.manual_seed(0)
+    model = tiny_model("alibi", "--attn-window", "4").eval()
+    attention = model.decoder.layers[0].self_attn
+    x = torch.randn(10, 2, 32)
+    state = {}
+    with torch.no_grad(), model.decoder.attention_bias.forward_scope():
+        _, full = attention(x, x, x, need_weights=True, need_head_weights=True)  # [H, B, T, S]
+        for t in range(10):
+            step = x[t:t + 1]
+            _, weights = attention(step, step, step, incremental_state=state, need_weights=True,
+                                   need_head_weights=True)
+            assert weights.shape == (4, 2, 1, t + 1)
+            torch.testing.assert_close(weights[:, :, 0], full[:, :, t, :t + 1])
+    distance = torch.arange(10)[:, None] - torch.arange(10)[None, :]
+    assert torch.all(full[..., (distance >= 4) | (distance < 0)] == 0)
+    assert torch.all(full[..., (distance < 4) & (distance >= 0)] > 0)

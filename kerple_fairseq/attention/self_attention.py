@@ -1,7 +1,7 @@
 """The self-attention module of the plugin's decoder layers."""
 
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from fairseq.modules import MultiheadAttention
@@ -9,7 +9,7 @@ from torch import Tensor
 
 from kerple_fairseq.attention.attend import attend, biased_scores
 from kerple_fairseq.attention.blocks import effective_block_size, query_blocks
-from kerple_fairseq.attention.distance_bias import DistanceBias
+from kerple_fairseq.attention.distance_bias import DistanceBias, DistanceBlockBias
 from kerple_fairseq.attention.rotary import RotaryEmbedding
 
 
@@ -79,24 +79,12 @@ class BiasedSelfAttention(MultiheadAttention):
                                                        first_position + num_queries)
 
         need_probabilities = need_weights or need_head_weights
-        whole_rows = need_probabilities or before_softmax  # returned per (query, key): one block
-        blocks = query_blocks(num_queries, k.size(2), 0 if whole_rows else self.setup.block_size_now(),
-                              self.setup.bias.attention_window)
-        biases = [self.setup.bias.for_block(block, k.size(2), shared=len(blocks) == 1) for block in blocks]
+        # probabilities and scores are returned for every (query, key): one block over all keys
+        biases = self._block_biases(num_queries, k.size(2), whole_rows=need_probabilities or before_softmax)
         if before_softmax:
             scores = biased_scores(q, k, biases[0], key_padding_mask)
             return scores.flatten(0, 1), v.flatten(0, 1)
-        dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
-        pieces, probabilities = [], None
-        for block, bias in zip(blocks, biases):
-            keys = slice(block.key_start, block.key_end)
-            attended, probabilities = attend(
-                q[:, :, block.query_start:block.query_end], k[:, :, keys], v[:, :, keys], bias,
-                fused=self.setup.fused, dropout=dropout,
-                key_padding_mask=None if key_padding_mask is None else key_padding_mask[:, keys],
-                need_probabilities=need_probabilities)
-            pieces.append(attended)
-        attended = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+        attended, probabilities = self._attend_block_by_block(q, k, v, biases, key_padding_mask, need_probabilities)
         out = self.out_proj(attended.permute(2, 0, 1, 3).reshape(num_queries, batch, embed_dim))
         return out, self._returned_weights(probabilities, need_head_weights)
 
@@ -108,6 +96,31 @@ class BiasedSelfAttention(MultiheadAttention):
             return y.view(num_queries, batch, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
 
         return split_heads(self.q_proj(x) * self.scaling), split_heads(self.k_proj(x)), split_heads(self.v_proj(x))
+
+    def _block_biases(self, num_queries: int, num_keys: int, whole_rows: bool) -> List[DistanceBlockBias]:
+        """The bias of each block of queries (:func:`query_blocks`); with ``whole_rows``, one block
+        against every key."""
+        window = self.setup.bias.attention_window
+        blocks = query_blocks(num_queries, num_keys, 0 if whole_rows else self.setup.block_size_now(),
+                              0 if whole_rows else window)
+        return [self.setup.bias.for_block(block, num_keys, shared=len(blocks) == 1) for block in blocks]
+
+    def _attend_block_by_block(self, q: Tensor, k: Tensor, v: Tensor, biases: List[DistanceBlockBias],
+                               key_padding_mask: Optional[Tensor], need_probabilities: bool):
+        """Each block's queries against its keys; the attended values ``[B, H, T, D]`` and, for a
+        single block, its probabilities."""
+        dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
+        pieces, probabilities = [], None
+        for bias in biases:
+            block = bias.block
+            keys = slice(block.key_start, block.key_end)
+            attended, probabilities = attend(
+                q[:, :, block.query_start:block.query_end], k[:, :, keys], v[:, :, keys], bias,
+                fused=self.setup.fused, dropout=dropout,
+                key_padding_mask=None if key_padding_mask is None else key_padding_mask[:, keys],
+                need_probabilities=need_probabilities)
+            pieces.append(attended)
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)), probabilities
 
     def _update_cache(self, incremental_state, saved: Dict[str, Optional[Tensor]], k: Tensor, v: Tensor,
                       key_padding_mask: Optional[Tensor], positions_seen: int):
