@@ -6,12 +6,17 @@ unpacked ``wiki.{train,valid,test}.tokens``). Running it again reuses every fini
 """
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
-from wikitext103 import ARCHIVE_NAME, OFFICIAL_MD5, OFFICIAL_URL, PrepareError, download, preprocess, unpack
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's kerple_fairseq
+logging.getLogger().addHandler(logging.NullHandler())  # keeps fairseq's import-time logging set-up off stderr
+
+from kerple_fairseq.experiments.wikitext103 import (  # noqa: E402
+    ARCHIVE_NAME, OFFICIAL_MD5, OFFICIAL_URL, PrepareError, archive_tokens, preprocess)
+
 PROG = "prepare-wikitext-103"
 
 
@@ -40,20 +45,7 @@ def log(message):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        if args.tokens_dir:
-            tokens_dir = args.tokens_dir
-        else:
-            archive = args.archive
-            if archive is None:
-                archive = args.download_dir / ARCHIVE_NAME
-                if archive.is_file():
-                    log(f"using the archive already downloaded, {archive}")
-                else:
-                    args.download_dir.mkdir(parents=True, exist_ok=True)
-                    download(args.url, archive, args.md5, log=log)
-            elif not archive.is_file():
-                raise PrepareError(f"--archive {archive} does not exist")
-            tokens_dir = unpack(archive, args.download_dir / "wikitext-103", args.md5)
+        tokens_dir = args.tokens_dir or archive_tokens(args.archive, args.url, args.md5, args.download_dir, log=log)
         preprocess(tokens_dir, args.dest, args.vocab_size, args.workers, log=log)
     except PrepareError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

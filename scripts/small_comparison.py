@@ -11,20 +11,19 @@ curves, effective lengths, position-wise perplexity and receptive field.
 """
 
 import argparse
-import json
+import logging
 import os
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-from wikitext103 import SPLITS, PrepareError, preprocess
-
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-PROTOCOL_LINES = ("early-token-cursed", "last-token")  # kerple-eval-lm's per-result lines
-KERNEL_ARCHS = {"alibi": "transformer_lm_alibi", "kerple_log": "transformer_lm_kerple"}
+sys.path.insert(0, str(REPO))  # this checkout's kerple_fairseq
+logging.getLogger().addHandler(logging.NullHandler())  # keeps fairseq's import-time logging set-up off stderr
+
+from kerple_fairseq.experiments.comparison import CommandFailed  # noqa: E402
+from kerple_fairseq.experiments.small_comparison import compare  # noqa: E402
+from kerple_fairseq.experiments.wikitext103 import PrepareError, missing_token_files  # noqa: E402
+
 NO_DATA = (
     "no WikiText-103 tokens directory given: pass --wikitext-dir DIR or set WIKITEXT103_DIR=DIR, "
     "where DIR holds wiki.train.tokens, wiki.valid.tokens and wiki.test.tokens (the wikitext-103-v1 "
@@ -62,119 +61,20 @@ def fail(message):
     sys.exit(2)
 
 
-def stage(message):
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def run(cmd, log=None, show=lambda line: "train_inner" in line or "| train |" in line or line.startswith(PROTOCOL_LINES)):
-    """Run a command; the lines ``show`` picks go to the terminal, the whole log to ``log`` if given."""
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if show(line):
-            print("    " + line.rstrip().split(" | ", 1)[-1], flush=True)
-    proc.wait()
-    if log is not None:
-        log.write_text("".join(lines))
-    if proc.returncode != 0:
-        sys.stderr.write("".join(lines[-30:]))
-        fail(f"{Path(str(cmd[0])).name} exited with {proc.returncode}")
-
-
-def train(args, data_bin: Path, kernel: str) -> Path:
-    save_dir = args.out / kernel
-    if save_dir.exists():
-        shutil.rmtree(save_dir)
-    save_dir.mkdir(parents=True)
-    stage(f"training {KERNEL_ARCHS[kernel]} (--bias-kernel {kernel}), {args.updates} updates")
-    run([BIN / "fairseq-train", data_bin, "--user-dir", REPO / "kerple_fairseq", "--task", "language_modeling",
-         "--arch", KERNEL_ARCHS[kernel], "--bias-kernel", kernel,
-         "--decoder-layers", args.layers, "--decoder-embed-dim", args.width,
-         "--decoder-ffn-embed-dim", 2 * args.width, "--decoder-attention-heads", args.heads,
-         "--dropout", "0.1", "--tokens-per-sample", args.train_length, "--sample-break-mode", "none",
-         "--max-tokens", args.max_tokens, "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)",
-         "--lr", "0.002", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "20",
-         "--clip-norm", "1.0", "--max-update", args.updates, "--cpu", "--seed", args.seed,
-         "--num-workers", "0", "--disable-validation", "--no-epoch-checkpoints",
-         "--log-format", "simple", "--log-interval", "25", "--save-dir", save_dir,
-         "--tensorboard-logdir", args.out / "tensorboard" / kernel],
-        log=save_dir / "train.log")
-    return save_dir / "checkpoint_last.pt"
-
-
-def evaluate(args, data_bin: Path, checkpoint: Path, kernel: str) -> list:
-    """kerple-eval-lm: early-token-cursed and last-token protocols at every length."""
-    results = args.out / kernel / "eval.json"
-    run([sys.executable, REPO / "scripts" / "eval_lm.py", data_bin, "--path", checkpoint, "--gen-subset", "valid",
-         "--cpu", "--no-progress-bar", "--protocol", "all", "--lengths", *args.eval_lengths, "--num-targets", args.num_targets,
-         "--max-tokens", "16384", "--results-json", results,
-         "--position-wise", args.out / kernel / "position-wise.csv"])
-    return json.loads(results.read_text())
-
-
-def analyse(args, data_bin: Path, checkpoints: dict) -> Path:
-    """kerple-analyze's four figures for both models, in ``<out>/analysis``."""
-    out = args.out / "analysis"
-    paths = ["--path", *checkpoints.values(), "--labels", *checkpoints, "--out", out]
-    on_data = [data_bin, "--length", max(args.eval_lengths), "--cpu", "--no-progress-bar", "--max-tokens", "16384"]
-    analyses = [
-        ["kernels", "--max-distance", max(args.eval_lengths)],
-        ["effective-length"],
-        ["position-wise", *on_data, "--windowed-reference"],
-        ["receptive-field", *on_data, "--num-segments", args.num_segments],
-    ]
-    for analysis in analyses:
-        stage(f"kerple-analyze {analysis[0]}")
-        run([sys.executable, REPO / "scripts" / "analyze.py", *analysis, *paths],
-            show=lambda line: line.startswith((*checkpoints, "kerple-analyze")))
-    return out
-
-
-def table(results: dict, lengths) -> str:
-    rows = ["| kernel | protocol | " + " | ".join(f"L={n}" for n in lengths) + " |",
-            "|---|---|" + "---|" * len(lengths)]
-    for kernel, records in results.items():
-        for protocol in ("early-token-cursed", "last-token"):
-            ppl = {r["length"]: r["ppl"] for r in records if r["protocol"] == protocol}
-            rows.append(f"| {kernel} | {protocol} | " + " | ".join(f"{ppl[n]:.2f}" for n in lengths) + " |")
-    return "\n".join(rows)
-
-
 def main():
     args = parse_args()
     if not args.wikitext_dir:
         fail(NO_DATA)
     tokens_dir = Path(args.wikitext_dir)
-    missing = [f"wiki.{s}.tokens" for s in SPLITS if not (tokens_dir / f"wiki.{s}.tokens").is_file()]
+    missing = missing_token_files(tokens_dir)
     if missing:
         fail(f"{tokens_dir} lacks {', '.join(missing)}; " + NO_DATA.split(": ", 1)[1])
     if any(n <= 0 for n in [args.train_length, args.updates, args.num_targets, args.num_segments, *args.eval_lengths]):
         fail("--train-length, --updates, --num-targets, --num-segments and --eval-lengths must be positive")
-    started = time.time()
-    data_bin = args.data_bin or REPO / "data-bin" / tokens_dir.resolve().name
     try:
-        preprocess(tokens_dir, data_bin, args.vocab_size, log=stage)
-    except PrepareError as e:
+        compare(args, tokens_dir, args.data_bin or REPO / "data-bin" / tokens_dir.resolve().name)
+    except (PrepareError, CommandFailed) as e:
         fail(str(e))
-    results, checkpoints = {}, {}
-    for kernel in KERNEL_ARCHS:
-        checkpoint = checkpoints[kernel] = train(args, data_bin, kernel)
-        stage(f"evaluating {kernel} at lengths {', '.join(map(str, args.eval_lengths))}: early-token-cursed "
-              f"(every token, non-overlapping blocks) and last-token ({args.num_targets} targets)")
-        results[kernel] = evaluate(args, data_bin, checkpoint, kernel)
-    text = (f"Validation perplexity (early-token-cursed: every token, non-overlapping blocks; last-token: "
-            f"the same {args.num_targets} targets after L-1 tokens), trained at L={args.train_length} "
-            f"for {args.updates} updates of {args.max_tokens} tokens; {args.layers} layers, width {args.width}, "
-            f"{args.heads} heads, {args.vocab_size or 'full'} vocabulary.\n\n" + table(results, args.eval_lengths))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.md").write_text(text + "\n")
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    print("\n" + text + "\n")
-    figures = analyse(args, data_bin, checkpoints)
-    stage(f"figures and their numbers in {figures}: kernels, effective-length, position-wise, receptive-field "
-          "(.png with the plots extra, .csv; receptive-field.json)")
-    stage(f"done in {(time.time() - started) / 60:.1f} min; results in {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""Shared fixtures: a small data-bin built from the real WikiText-103 sample in ../shared."""
+"""Shared fixtures: a small data-bin built from the real WikiText-103 sample in ../shared, and tiny
+models trained on it."""
 
+import json
+import logging
 import os
 import re
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,19 @@ REPO = Path(__file__).resolve().parents[1]
 SAMPLE = Path(os.environ.get("KERPLE_WIKITEXT_DIR", REPO.parent / "shared" / "data" / "wikitext-103-sample"))
 BIN = Path(sys.executable).parent
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(REPO)]  # helpers; this checkout's kerple_fairseq
+# fairseq's modules call logging.basicConfig when imported (here, before pytest's log capture is in
+# place): a root handler keeps the root logger as it was, unconfigured
+logging.getLogger().addHandler(logging.NullHandler())
+
+from kerple_fairseq.experiments.language_models import model_size_flags  # noqa: E402
+from kerple_fairseq.experiments.recipe import cpu_training_flags  # noqa: E402
+from kerple_fairseq.experiments.wikitext103 import preprocess  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts processes (fairseq-train, fairseq-eval-lm, the scripts); "
+                            "deselect with -m 'not slow'")
 
 
 def run(args, cwd=REPO, check=True, **kwargs):
@@ -44,38 +60,76 @@ def data_bin(sample_dir, tmp_path_factory):
     for split, size in sizes.items():
         text = (sample_dir / f"wiki.{split}.tokens").read_bytes()[:size]
         (raw / f"wiki.{split}.tokens").write_bytes(text[: text.rfind(b"\n") + 1])
-    dest = tmp_path_factory.mktemp("data-bin")
-    run([fairseq_cli("fairseq-preprocess"), "--only-source", "--nwordssrc", "8000", "--workers", "2",
-         "--trainpref", raw / "wiki.train.tokens", "--validpref", raw / "wiki.valid.tokens",
-         "--testpref", raw / "wiki.test.tokens", "--destdir", dest])
+    dest = tmp_path_factory.mktemp("data") / "data-bin"
+    preprocess(raw, dest, vocab_size=8000, workers=2, log=lambda message: None)
     return dest
 
 
 TRAIN_LENGTH = 64
-TRAIN_FLAGS = ["--task", "language_modeling", "--user-dir", "kerple_fairseq",
-               "--decoder-layers", "2", "--decoder-embed-dim", "64", "--decoder-ffn-embed-dim", "128",
-               "--decoder-attention-heads", "4", "--dropout", "0.1",
-               "--tokens-per-sample", str(TRAIN_LENGTH), "--sample-break-mode", "none", "--max-tokens", "1024",
-               "--optimizer", "adam", "--lr", "0.003", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "5",
-               "--cpu", "--seed", "3", "--log-format", "json", "--log-interval", "1", "--num-workers", "0",
-               "--disable-validation", "--no-epoch-checkpoints"]
+TRAIN_FLAGS = ["--user-dir", str(REPO / "kerple_fairseq"), *model_size_flags(layers=2, width=64, heads=4, dropout=0.1),
+               *cpu_training_flags(TRAIN_LENGTH, max_tokens=1024, lr=0.003, warmup_updates=5, seed=3,
+                                   log_format="json", log_interval=1)]
 UPDATES = 40
+
+
+def training_args(data_bin, save_dir, updates, *flags):
+    return [str(data_bin), *TRAIN_FLAGS, "--max-update", str(updates), "--save-dir", str(save_dir), *map(str, flags)]
 
 
 def train(data_bin, save_dir, updates, *flags):
     """fairseq-train a tiny model; returns the logged training losses."""
-    import json
-
-    proc = run([fairseq_cli("fairseq-train"), data_bin, *TRAIN_FLAGS, "--max-update", str(updates),
-                "--save-dir", save_dir, *flags])
+    proc = run([fairseq_cli("fairseq-train"), *training_args(data_bin, save_dir, updates, *flags)])
     return [float(json.loads(line[line.index("{"):])["loss"]) for line in (proc.stdout + proc.stderr).splitlines()
             if "train_inner" in line and "{" in line]
+
+
+class _TrainingLosses(logging.Handler):
+    """Collects the loss of each ``train_inner`` record that fairseq's JSON progress bar logs."""
+
+    def __init__(self):
+        super().__init__()
+        self.losses = []
+
+    def emit(self, record):
+        if record.name == "train_inner":
+            self.losses.append(float(json.loads(record.getMessage())["loss"]))
+
+
+@contextmanager
+def _training_losses():
+    """The progress bar's records at INFO go to a :class:`_TrainingLosses` while inside; its logger's
+    level and handlers are as they were afterwards."""
+    logger = logging.getLogger("fairseq.logging.progress_bar")  # renamed to the record's tag while logging
+    handler, level = _TrainingLosses(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.losses
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def train_in_process(data_bin, save_dir, updates, *flags):
+    """:func:`train` in this process, through fairseq-train's own ``main``: the same checkpoint and
+    losses, without starting Python, torch and fairseq again."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq_cli.train import main
+
+    # one process even where GPUs would make fairseq's default world size larger
+    args = options.parse_args_and_arch(
+        options.get_training_parser(), training_args(data_bin, save_dir, updates, *flags, "--distributed-world-size", 1))
+    with _training_losses() as losses:
+        main(convert_namespace_to_omegaconf(args))
+    return losses
 
 
 @pytest.fixture(scope="session")
 def trained(data_bin, tmp_path_factory):
     """Tiny models trained at length 64: the two kernels of the comparison, and stock
-    transformer_lm with sinusoidal and with learned positions (the baselines)."""
+    transformer_lm with sinusoidal and with learned positions (the baselines); by name,
+    (save_dir, training losses)."""
     runs = {
         "alibi": ["--arch", "transformer_lm_kerple", "--bias-kernel", "alibi"],
         "kerple_log": ["--arch", "transformer_lm_kerple", "--bias-kernel", "kerple_log"],
@@ -86,7 +140,7 @@ def trained(data_bin, tmp_path_factory):
     for name, flags in runs.items():
         save_dir = tmp_path_factory.mktemp(f"ckpt-{name}")
         updates = UPDATES if name in ("alibi", "kerple_log") else 10
-        out[name] = (save_dir, train(data_bin, save_dir, updates, *flags))
+        out[name] = (save_dir, train_in_process(data_bin, save_dir, updates, *flags))
     return out
 
 

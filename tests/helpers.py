@@ -2,35 +2,22 @@
 
 import argparse
 
-from fairseq import options
-from fairseq.data import Dictionary
-
-import kerple_fairseq  # noqa: F401  (registers the plugin)
-from kerple_fairseq.models.transformer_lm_kerple import KernelBiasedLanguageModel
+from kerple_fairseq.experiments.language_models import DictionaryTask, build_model, model_size_flags, parse_model_flags
 
 VOCAB = 50
+TINY = model_size_flags(layers=2, width=32, heads=4, dropout=0.0)
 
 
-class TinyTask:
-    """The two attributes TransformerLanguageModel.build_model reads from a task."""
+class TinyTask(DictionaryTask):
+    """A task whose dictionary has ``vocab_size`` words (default :data:`VOCAB`)."""
 
     def __init__(self, vocab_size: int = VOCAB):
-        self.source_dictionary = self.target_dictionary = Dictionary()
-        for i in range(vocab_size):
-            self.source_dictionary.add_symbol(f"w{i}")
+        super().__init__(vocab_size)
 
 
 def parse_model_args(arch: str, *flags: str) -> argparse.Namespace:
-    parser = options.get_training_parser()
-    return options.parse_args_and_arch(
-        parser, ["unused-data-dir", "--task", "language_modeling", "--arch", arch, *flags]
-    )
-
-
-TINY = ["--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
-        "--decoder-attention-heads", "4", "--dropout", "0.0"]
+    return parse_model_flags(["--arch", arch, *flags])
 
 
 def tiny_model(kernel: str = "kerple_log", *flags: str, arch: str = "transformer_lm_kerple", task=None):
-    args = parse_model_args(arch, *TINY, "--bias-kernel", kernel, *flags)
-    return KernelBiasedLanguageModel.build_model(args, task or TinyTask())
+    return build_model(parse_model_args(arch, *TINY, "--bias-kernel", kernel, *flags), task or TinyTask())

@@ -10,6 +10,7 @@ import pytest
 from conftest import REPO, run
 
 
+@pytest.mark.slow
 def test_quick_benchmark_reports_ratios_to_none(tmp_path):
     out = tmp_path / "bench.json"
     proc = run([sys.executable, REPO / "scripts" / "benchmark.py", "--quick", "--cpu", "--json", out])

@@ -4,12 +4,16 @@ import sys
 
 import pytest
 
+from kerple_fairseq.experiments.language_models import model_size_flags
+from kerple_fairseq.experiments.recipe import cpu_training_flags
+
 from conftest import REPO, fairseq_cli, run
 
-TINY = ["--task", "language_modeling", "--decoder-layers", "1", "--decoder-embed-dim", "16",
-        "--decoder-ffn-embed-dim", "16", "--decoder-attention-heads", "2", "--tokens-per-sample", "16",
-        "--max-tokens", "64", "--max-update", "1", "--cpu", "--optimizer", "adam", "--lr", "0.001",
-        "--disable-validation", "--num-workers", "0"]
+pytestmark = pytest.mark.slow  # fairseq-train and Python processes
+
+TINY = [*model_size_flags(layers=1, width=16, heads=2, ffn=16),
+        *cpu_training_flags(16, max_tokens=64, lr=0.001, warmup_updates=1, seed=1, log_format="simple", log_interval=1),
+        "--max-update", "1"]
 
 
 def train_command(data_bin, save_dir, *flags, user_dir="kerple_fairseq"):

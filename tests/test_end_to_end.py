@@ -1,4 +1,7 @@
-"""fairseq-preprocess -> fairseq-train -> fairseq-eval-lm with the plugin, on the real sample."""
+"""fairseq-preprocess -> fairseq-train -> fairseq-eval-lm with the plugin, on the real sample.
+
+The ``trained`` models come from fairseq-train's main in the test process; a fairseq-train
+process with ``--user-dir`` resumes them here, to the same parameters."""
 
 import math
 
@@ -35,11 +38,12 @@ def test_checkpoint_holds_one_set_of_valid_kernel_parameters(trained, kernel):
         assert kernel_keys == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_resume_from_checkpoint_last_reaches_the_same_parameters(trained, data_bin, tmp_path, kernel):
     straight_dir, _ = trained[kernel]
     flags = ["--arch", "transformer_lm_kerple", "--bias-kernel", kernel]
-    train(data_bin, tmp_path, UPDATES // 2, *flags)
+    train(data_bin, tmp_path, UPDATES // 2, *flags)  # fairseq-train processes
     train(data_bin, tmp_path, UPDATES, *flags)  # resumes from checkpoint_last.pt
     straight = torch.load(straight_dir / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
     resumed = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
@@ -48,6 +52,7 @@ def test_resume_from_checkpoint_last_reaches_the_same_parameters(trained, data_b
         torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=1e-6, msg=key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_stock_eval_lm_at_1x_and_8x_the_training_length(trained, data_bin, kernel):
     save_dir, _ = trained[kernel]

@@ -1,18 +1,20 @@
-"""Every kernel and positional option trains a tiny model on the real sample (fairseq-train),
-with finite, falling loss and in-domain parameters in the saved checkpoint."""
+"""Every kernel and positional option trains a tiny model on the real sample (fairseq-train's main,
+in this process), with finite, falling loss and in-domain parameters in the saved checkpoint."""
 
 import argparse
+import logging
 import math
 
 import pytest
 import torch
 
+from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.kernels import KERNELS, build_kernel
 from kerple_fairseq.kernels.learnable import LearnableKernel
 
-from conftest import train
+from conftest import train_in_process
 
-TINY = ["--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64"]
+SIZE = model_size_flags(layers=2, width=32, heads=4)
 UPDATES = 12
 RUNS = {name: ["--bias-kernel", name] for name in sorted(KERNELS)}
 RUNS["window"] += ["--attn-window", "16"]
@@ -26,7 +28,7 @@ RUNS["super-baseline"] = ["--arch", "transformer_lm_rotary", "--attn-window", "1
 def test_tiny_training_has_finite_falling_loss_and_valid_checkpoint(data_bin, tmp_path, run):
     flags = RUNS[run]
     arch = [] if "--arch" in flags else ["--arch", "transformer_lm_kerple"]
-    losses = train(data_bin, tmp_path, UPDATES, *arch, *TINY, *flags)
+    losses = train_in_process(data_bin, tmp_path, UPDATES, *arch, *SIZE, *flags)
     assert len(losses) == UPDATES and all(math.isfinite(x) for x in losses), losses
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 0.4, f"{run}: loss {first:.2f} -> {last:.2f}"
@@ -46,3 +48,19 @@ def test_tiny_training_has_finite_falling_loss_and_valid_checkpoint(data_bin, tm
     if run in ("rotary", "super-baseline"):
         assert cfg["rotary_embeddings"] and cfg["bias_kernel"] == "none"
         assert cfg["attn_window"] == (16 if run == "super-baseline" else 0)
+
+
+def test_training_in_process_repeats_exactly_and_leaves_logging_as_it_was(data_bin, tmp_path):
+    """What the tests above rely on: fairseq-train's main run twice in one process trains the same
+    model both times (no state carried over) and logs the losses both times."""
+    loggers = [logging.getLogger(), logging.getLogger("fairseq.logging.progress_bar")]
+    before = [(logger.level, list(logger.handlers)) for logger in loggers]
+    runs = []
+    for attempt in ("first", "second"):
+        losses = train_in_process(data_bin, tmp_path / attempt, 3, "--arch", "transformer_lm_kerple", *SIZE)
+        state = torch.load(tmp_path / attempt / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
+        runs.append((losses, state))
+    (first_losses, first), (second_losses, second) = runs
+    assert len(first_losses) == 3 and first_losses == second_losses
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert [(logger.level, list(logger.handlers)) for logger in loggers] == before

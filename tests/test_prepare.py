@@ -1,5 +1,5 @@
 """scripts/prepare-wikitext-103.sh: download over HTTP (a local server), checksum, unpack,
-preprocess; offline, interrupted and repeated runs."""
+preprocess; offline, interrupted and repeated runs. Slow: each runs the script or fairseq-preprocess."""
 
 import hashlib
 import http.server
@@ -10,10 +10,11 @@ import zipfile
 
 import pytest
 
+from kerple_fairseq.experiments.wikitext103 import OFFICIAL_MD5, OFFICIAL_URL, PrepareError, preprocess
+
 from conftest import REPO, run
 
 SCRIPT = REPO / "scripts" / "prepare_wikitext_103.py"
-sys.path.insert(0, str(REPO / "scripts"))
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,7 @@ def assert_one_line_error(proc, expected):
     assert expected in errors[0] and proc.stderr.strip().endswith(errors[0]), proc.stderr
 
 
+@pytest.mark.slow
 def test_download_verify_unpack_preprocess_then_reuse(tmp_path, server, archive):
     prepare(tmp_path, "--url", f"{server}/wikitext-103-v1.zip", "--md5", md5(archive))
     assert_data_bin(tmp_path / "data-bin")
@@ -88,18 +90,18 @@ def test_download_verify_unpack_preprocess_then_reuse(tmp_path, server, archive)
 
 
 def test_official_source_and_checksum_are_the_defaults():
-    from wikitext103 import OFFICIAL_MD5, OFFICIAL_URL
-
     assert OFFICIAL_URL == "https://wikitext.smerity.com/wikitext-103-v1.zip"
     assert OFFICIAL_MD5 == "9ddaacaf6af0710eda8c456decff7832"
 
 
+@pytest.mark.slow
 def test_wrong_checksum_keeps_nothing(tmp_path, server):
     proc = prepare(tmp_path, "--url", f"{server}/wikitext-103-v1.zip", check=False)  # the official md5
     assert_one_line_error(proc, "does not have the expected md5 9ddaacaf")
     assert not (tmp_path / "data-bin").exists() and not list((tmp_path / "downloads").iterdir())
 
 
+@pytest.mark.slow
 def test_interrupted_download_is_not_mistaken_for_a_good_one(tmp_path, server, archive):
     proc = prepare(tmp_path, "--url", f"{server}/cut.zip", "--md5", md5(archive), check=False)
     assert_one_line_error(proc, "")
@@ -108,6 +110,7 @@ def test_interrupted_download_is_not_mistaken_for_a_good_one(tmp_path, server, a
     assert_data_bin(tmp_path / "data-bin")
 
 
+@pytest.mark.slow
 def test_without_network_one_line_says_how_to_supply_the_files(tmp_path):
     proc = prepare(tmp_path, "--url", "http://127.0.0.1:9/wikitext-103-v1.zip", check=False)
     assert_one_line_error(proc, "cannot download http://127.0.0.1:9/wikitext-103-v1.zip")
@@ -115,6 +118,7 @@ def test_without_network_one_line_says_how_to_supply_the_files(tmp_path):
     assert not (tmp_path / "data-bin").exists()
 
 
+@pytest.mark.slow
 def test_offline_from_an_archive_or_a_tokens_directory(tmp_path, archive, sample_dir):
     prepare(tmp_path / "a", "--archive", archive, "--md5", md5(archive))
     assert_data_bin(tmp_path / "a" / "data-bin")
@@ -124,9 +128,8 @@ def test_offline_from_an_archive_or_a_tokens_directory(tmp_path, archive, sample
     assert len((tmp_path / "t" / "data-bin" / "dict.txt").read_text().splitlines()) == 8000 - 4
 
 
+@pytest.mark.slow
 def test_interrupted_preprocessing_leaves_no_data_bin(tmp_path, sample_dir):
-    from wikitext103 import PrepareError, preprocess
-
     broken = tmp_path / "broken"
     broken.mkdir()
     for split in ("train", "valid", "test"):
@@ -145,6 +148,7 @@ def test_interrupted_preprocessing_leaves_no_data_bin(tmp_path, sample_dir):
     assert (dest / "mine.txt").read_text() == "keep"
 
 
+@pytest.mark.slow
 def test_a_directory_without_the_splits_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     proc = prepare(tmp_path, "--tokens-dir", tmp_path / "empty", check=False)

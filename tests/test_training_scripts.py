@@ -6,6 +6,8 @@ import sys
 import pytest
 import torch
 
+from kerple_fairseq.experiments import recipe
+
 from conftest import REPO, run
 
 SCRIPT = REPO / "scripts" / "train_wikitext_103.py"
@@ -40,6 +42,7 @@ def one_process(data_bin, tmp_path_factory):
     return save_dir
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_equal_one_process_with_update_freq_2(data_bin, tmp_path, one_process):
     proc = train(data_bin, tmp_path, "--cpu-processes", "2")
     assert "2 CPU worker(s), --update-freq 1: 2048 tokens per update" in proc.stderr
@@ -47,6 +50,7 @@ def test_two_gloo_processes_equal_one_process_with_update_freq_2(data_bin, tmp_p
     assert_same_parameters(parameters(tmp_path), parameters(one_process), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(data_bin, tmp_path, one_process):
     train(data_bin, tmp_path, "--cpu-processes", "1", "--max-update", str(UPDATES // 2))
     halfway = parameters(tmp_path)
@@ -57,6 +61,7 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(data_bin, tmp_
     assert (halfway[key] - parameters(tmp_path)[key]).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_kernel_parameters_per_head_in_tensorboard(one_process):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -71,15 +76,15 @@ def test_kernel_parameters_per_head_in_tensorboard(one_process):
 
 
 def test_update_freq_keeps_the_recipes_tokens_per_update():
-    assert [T.update_freq(8, n) for n in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
-    assert T.update_freq(8, 3) == 3  # 9 batches of 9216: the closest from above; the script says so
+    assert [recipe.update_freq(8, n) for n in (1, 2, 4, 8, 16)] == [8, 4, 2, 1, 1]
+    assert recipe.update_freq(8, 3) == 3  # 9 batches of 9216: the closest from above; the script says so
 
 
 def test_gpu_command_is_the_fp16_multi_gpu_recipe(monkeypatch, capsys, tmp_path):
     (tmp_path / "dict.txt").write_text("a 1\n")
     launched = []
-    monkeypatch.setattr(T, "gpu_count", lambda: 4)
-    monkeypatch.setattr(T, "run_all", lambda commands: launched.extend(commands) or 0)
+    monkeypatch.setattr(recipe, "gpu_count", lambda: 4)
+    monkeypatch.setattr(recipe, "run_all", lambda commands: launched.extend(commands) or 0)
     with pytest.raises(SystemExit) as exit_info:
         T.main(["alibi", "--data", str(tmp_path), "--save-dir", str(tmp_path / "ckpt"),
                 "--nodes", "2", "--node-rank", "1", "--master", "node0:29500", "--max-update", "10"])
@@ -94,6 +99,7 @@ def test_gpu_command_is_the_fp16_multi_gpu_recipe(monkeypatch, capsys, tmp_path)
     assert "8 GPU worker(s), --update-freq 1: 73728 tokens per update" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
     (["--data", "/nonexistent"], "is not a data-bin (no dict.txt); run: bash scripts/prepare-wikitext-103.sh"),
     (["--nodes", "2"], "--nodes > 1 needs --master HOST:PORT"),
@@ -106,6 +112,7 @@ def test_bad_input_is_one_line(data_bin, flags, message):
     assert message in proc.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_command_lines(data_bin, tmp_path):
     proc = run([sys.executable, SCRIPT, "alibi", "--tiny", "--data", data_bin, "--save-dir", tmp_path / "x",
                 "--cpu-processes", "2", "--dry-run"])

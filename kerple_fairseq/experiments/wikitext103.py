@@ -2,19 +2,20 @@
 
 Every step writes to a temporary name and renames when complete, so an
 interrupted run leaves nothing a later run could mistake for a finished result.
-Shared by ``prepare_wikitext_103.py``, ``small_comparison.py`` and the reproduction.
 """
 
 import hashlib
 import json
 import shutil
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
+from typing import Callable, List, Optional
+
+from kerple_fairseq.experiments.paths import BIN
 
 # fairseq's examples/language_model/prepare-wikitext-103.sh points at
 # s3.amazonaws.com/research.metamind.io, which now answers 403; the dataset's author hosts it here.
@@ -23,20 +24,31 @@ OFFICIAL_MD5 = "9ddaacaf6af0710eda8c456decff7832"  # wikitext-103-v1.zip (torcht
 ARCHIVE_NAME = "wikitext-103-v1.zip"
 SPLITS = ("train", "valid", "test")
 STAMP = "kerple-source.json"
-BIN = Path(sys.executable).parent
 
 
 class PrepareError(Exception):
     """A problem the user can fix; reported as one line."""
 
 
+def missing_token_files(tokens_dir: Path) -> List[str]:
+    """The names of the ``wiki.{train,valid,test}.tokens`` that ``tokens_dir`` lacks."""
+    return [f"wiki.{s}.tokens" for s in SPLITS if not (tokens_dir / f"wiki.{s}.tokens").is_file()]
+
+
 def token_files(tokens_dir: Path) -> dict:
-    files = {s: tokens_dir / f"wiki.{s}.tokens" for s in SPLITS}
-    missing = [p.name for p in files.values() if not p.is_file()]
+    """The path of each split's ``wiki.<split>.tokens`` in ``tokens_dir``, which must hold all three."""
+    missing = missing_token_files(tokens_dir)
     if missing:
         raise PrepareError(f"{tokens_dir} lacks {', '.join(missing)} (expected wiki.{{train,valid,test}}.tokens "
                            "of the wikitext-103-v1 release)")
-    return files
+    return {s: tokens_dir / f"wiki.{s}.tokens" for s in SPLITS}
+
+
+def require_data_bin(path: Path) -> None:
+    """Training and evaluation need a preprocessed data-bin; say how to make one if ``path`` is not."""
+    if not (path / "dict.txt").is_file():
+        raise PrepareError(f"{path} is not a data-bin (no dict.txt); run: bash scripts/prepare-wikitext-103.sh "
+                           f"--dest {path}")
 
 
 def md5sum(path: Path) -> str:
@@ -78,6 +90,22 @@ def download(url: str, dest: Path, md5: str, log=print) -> None:
         raise PrepareError(f"{url} does not have the expected md5 {md5} (corrupt or a different file); "
                            "nothing was kept. Pass --md5 for a deliberately different archive")
     part.rename(dest)
+
+
+def archive_tokens(archive: Optional[Path], url: str, md5: str, download_dir: Path,
+                   log: Callable[[str], None] = print) -> Path:
+    """The unpacked tokens of ``archive``, or of ``download_dir``'s archive, downloaded from ``url`` unless
+    already there; they are unpacked into ``download_dir/wikitext-103``."""
+    if archive is None:
+        archive = download_dir / ARCHIVE_NAME
+        if archive.is_file():
+            log(f"using the archive already downloaded, {archive}")
+        else:
+            download_dir.mkdir(parents=True, exist_ok=True)
+            download(url, archive, md5, log=log)
+    elif not archive.is_file():
+        raise PrepareError(f"--archive {archive} does not exist")
+    return unpack(archive, download_dir / "wikitext-103", md5)
 
 
 def unpack(archive: Path, dest: Path, md5: str) -> Path:

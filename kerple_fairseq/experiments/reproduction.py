@@ -1,0 +1,76 @@
+"""KERPLE's Table 10: ALiBi vs KERPLE-log trained on WikiText-103 with ALiBi's recipe (through
+``scripts/train_wikitext_103.py``), evaluated under the early-token-cursed and last-token
+protocols, beside the published numbers."""
+
+import argparse
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+from kerple_fairseq.experiments.comparison import CommandFailed, Comparison, Model, markdown_table, protocol_rows
+from kerple_fairseq.experiments.paths import SCRIPTS
+
+KERNELS = {"alibi": "ALiBi", "kerple_log": "KERPLE-log"}
+# KERPLE (Chi et al., 2022) Table 10, validation perplexity, non-overlapping evaluation (SPEC)
+PUBLISHED = {
+    (512, "alibi"): {512: 19.73, 1024: 18.81, 1536: 18.50, 2048: 18.48, 3072: 18.40},
+    (512, "kerple_log"): {512: 19.69, 1024: 18.76, 1536: 18.37, 2048: 18.29, 3072: 18.24},
+    (2048, "alibi"): {2048: 17.91, 3072: 17.64},
+    (2048, "kerple_log"): {2048: 17.84, 3072: 17.56},
+}
+
+
+def announced_run(prog: str, cmd: list) -> None:
+    """Say which script starts (as ``prog``), run it with its output on the terminal; raise
+    :class:`CommandFailed` naming the script if it fails."""
+    print(f"{prog}: {' '.join(map(str, cmd[1:3]))} ...", file=sys.stderr, flush=True)
+    code = subprocess.call([str(c) for c in cmd])
+    if code != 0:
+        raise CommandFailed(Path(str(cmd[1])).name, code)
+
+
+def train(args: argparse.Namespace, extra: List[str], run, kernel: str, length: int) -> Path:
+    """The training script on ``kernel`` at ``length`` (resuming or reusing an earlier run); its best
+    checkpoint, or its last if it kept no best."""
+    save_dir = args.out / f"{kernel}-{length}"
+    cmd = [sys.executable, SCRIPTS / "train_wikitext_103.py", kernel, "--data", args.data,
+           "--save-dir", save_dir, "--train-length", length, *extra]
+    if args.tiny:
+        cmd.append("--tiny")
+    if args.cpu_processes:
+        cmd += ["--cpu-processes", args.cpu_processes]
+    run(cmd)
+    best = save_dir / "checkpoint_best.pt"
+    return best if best.is_file() else save_dir / "checkpoint_last.pt"
+
+
+def table(results: Dict[Tuple[int, str], list], lengths) -> str:
+    """Our rows and, for each (train length, kernel), the published early-token-cursed row."""
+    rows = []
+    for (train_length, kernel), records in results.items():
+        rows += protocol_rows([f"{KERNELS[kernel]} (this run)", str(train_length)], records)
+        published = PUBLISHED.get((train_length, kernel))
+        if published:
+            rows.append(([f"{KERNELS[kernel]} (KERPLE Table 10)", str(train_length), "early-token-cursed"], published))
+    return markdown_table(["model", "trained at", "protocol"], rows, lengths)
+
+
+def reproduce(args: argparse.Namespace, extra: List[str], prog: str) -> None:
+    """Both kernels at every training length with ``scripts/reproduce_wikitext_103.py``'s options
+    ``args`` (``extra`` goes to fairseq-train), evaluated on GPU in fp16 where there is one (and not
+    ``--tiny`` or ``--cpu-processes``); the table in ``args.out/results.md``. Raises :class:`CommandFailed`."""
+    import torch
+
+    use_gpu = torch.cuda.is_available() and not (args.tiny or args.cpu_processes)
+    run = partial(announced_run, prog)
+    comparison = Comparison(args.data, args.eval_lengths, args.num_targets, ["--fp16"] if use_gpu else ["--cpu"], run)
+    evaluated = comparison.train_and_evaluate([
+        Model((length, kernel), partial(train, args, extra, run, kernel, length))
+        for length in args.train_lengths for kernel in KERNELS])
+    text = ("Validation perplexity on WikiText-103 (early-token-cursed: non-overlapping blocks, every token; "
+            f"last-token: the same {args.num_targets} targets after L-1 tokens).\n\n"
+            + table({key: e.records for key, e in evaluated.items()}, args.eval_lengths))
+    (args.out / "results.md").write_text(text + "\n")
+    print("\n" + text)
