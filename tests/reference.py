@@ -294,3 +294,12 @@ def sandwich_smoothed_reference(kernel, options):
     0..N-1, D = 128 and N = 50 unless given."""
     dim, points = options.get("sandwich_dim", 128), options.get("sandwich_fit_distances", 50)
     return sandwich_smoothed(kernel.num_heads, dim, points), None
+
+
+def assert_matches(actual, expected, rtol=2e-6, atol=1e-5):
+    """A float32 tensor equals float64 reference values: infinities exactly, the rest within tolerance."""
+    actual = actual.detach().numpy()
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(np.isfinite(actual), finite)
+    np.testing.assert_array_equal(actual[~finite], expected[~finite])
+    np.testing.assert_allclose(actual[finite], expected[finite], rtol=rtol, atol=atol)

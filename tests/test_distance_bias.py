@@ -3,7 +3,6 @@ test every kernel goes through), windows composed with every kernel, incremental
 
 import argparse
 
-import numpy as np
 import pytest
 import torch
 
@@ -31,14 +30,6 @@ def laid_out(bias, block, kind="bias", num_distances=None):
     return (view.mask if kind == "bias" else view.weight)(torch.float32, "cpu")
 
 
-def assert_matches(actual, expected, rtol=2e-6, atol=1e-5):
-    actual = actual.detach().numpy()
-    finite = np.isfinite(expected)
-    np.testing.assert_array_equal(np.isfinite(actual), finite)
-    np.testing.assert_array_equal(actual[~finite], expected[~finite])
-    np.testing.assert_allclose(actual[finite], expected[finite], rtol=rtol, atol=atol)
-
-
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("window", [0, 5])
 def test_window_composes_with_every_kernel(name, window):
@@ -49,12 +40,12 @@ def test_window_composes_with_every_kernel(name, window):
     bias_fn, _ = reference.reference_functions(bias.kernel, {})
     if bias.attention_window:
         bias_fn = reference.windowed(bias_fn, bias.attention_window)
-    assert_matches(mask, reference.bias_matrix(8, 40, bias_fn))
+    reference.assert_matches(mask, reference.bias_matrix(8, 40, bias_fn))
     if bias.attention_window:
         assert (torch.isfinite(mask).sum(-1) == torch.arange(1, 41).clamp(max=bias.attention_window)).all()
     if bias.kernel.has_weight:
         _, weight_fn = reference.reference_functions(bias.kernel, {})
-        assert_matches(laid_out(bias, QueryBlock(0, 40, 0, 40, 0), "weight"), reference.weight_matrix(8, 40, weight_fn))
+        reference.assert_matches(laid_out(bias, QueryBlock(0, 40, 0, 40, 0), "weight"), reference.weight_matrix(8, 40, weight_fn))
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -56,14 +56,6 @@ def case_id(case):
     return name + "".join(f"-{k}={v}" for k, v in options.items())
 
 
-def assert_matches(actual, expected, rtol=2e-6, atol=1e-5):
-    actual = actual.detach().numpy()
-    finite = np.isfinite(expected)
-    np.testing.assert_array_equal(np.isfinite(actual), finite)
-    np.testing.assert_array_equal(actual[~finite], expected[~finite])
-    np.testing.assert_allclose(actual[finite], expected[finite], rtol=rtol, atol=atol)
-
-
 def test_registry_lists_every_kernel():
     assert set(kernel_names()) == {
         "alibi", "alibi_rf", "gauss_bias2", "gauss_bias3", "gauss_wht1", "gauss_wht2", "kerple_bias_wht",
@@ -95,7 +87,7 @@ def test_bias_matches_float64_reference(case, heads, distances):
     kernel, (bias_fn, _) = kernel_and_reference(case, heads)
     bias = kernel(torch.tensor(distances, dtype=torch.float32))
     assert bias.dtype == torch.float32 and bias.shape == (heads, len(distances))
-    assert_matches(bias, reference.per_head(heads, distances, bias_fn))
+    reference.assert_matches(bias, reference.per_head(heads, distances, bias_fn))
 
 
 @pytest.mark.parametrize("distances", DISTANCES.values(), ids=DISTANCES.keys())
@@ -106,7 +98,7 @@ def test_weight_matches_float64_reference(case, heads, distances):
     assert weight_fn is not None, f"the reference of weight kernel {kernel.name} gives no weight"
     weight = kernel.weight(torch.tensor(distances, dtype=torch.float32))
     assert weight.dtype == torch.float32 and weight.shape == (heads, len(distances))
-    assert_matches(weight, reference.per_head(heads, distances, weight_fn))
+    reference.assert_matches(weight, reference.per_head(heads, distances, weight_fn))
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
