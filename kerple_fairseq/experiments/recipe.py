@@ -28,7 +28,7 @@ def adam_flags(lr: float, warmup_updates: int) -> List[str]:
             "--lr-scheduler", "inverse_sqrt", "--warmup-updates", str(warmup_updates)]
 
 
-# ALiBi's WikiText-103 recipe (SPEC, "The WikiText-103 setting"), less the per-run options
+# ALiBi's WikiText-103 recipe (the ALiBi paper's WikiText-103 setting, which KERPLE's Table 10 reuses), less the per-run options
 ALIBI_WIKITEXT_103 = Preset(
     flags=["--arch", "transformer_lm_kerple_wiki103", "--criterion", "adaptive_loss",
            "--optimizer", "nag", "--lr", "1.0", "--clip-norm", "0.1",

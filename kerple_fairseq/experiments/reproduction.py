@@ -13,7 +13,7 @@ from kerple_fairseq.experiments.comparison import CommandFailed, Comparison, Mod
 from kerple_fairseq.experiments.paths import SCRIPTS
 
 KERNELS = {"alibi": "ALiBi", "kerple_log": "KERPLE-log"}
-# KERPLE (Chi et al., 2022) Table 10, validation perplexity, non-overlapping evaluation (SPEC)
+# KERPLE (Chi et al., 2022) Table 10, validation perplexity, non-overlapping evaluation
 PUBLISHED = {
     (512, "alibi"): {512: 19.73, 1024: 18.81, 1536: 18.50, 2048: 18.48, 3072: 18.40},
     (512, "kerple_log"): {512: 19.69, 1024: 18.76, 1536: 18.37, 2048: 18.29, 3072: 18.24},

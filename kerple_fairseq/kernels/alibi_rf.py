@@ -41,7 +41,7 @@ class AlibiReceptiveFieldKernel(LearnableKernel):
     """``B_h(d) = -m_h * d * f_rho(d)``, ALiBi's slopes ``m_h`` and a decay ``f``:
     ``exp(-d/rho)``, ``exp(-d^2/(2 rho^2))`` or ``rho/(rho+d)``.
 
-    The proposal ``papers/003`` §§3-8 ("ALiBi with a local receptive field"),
+    A proposal, "ALiBi with a local receptive field" (§§3-8),
     untested in the literature. ``rho`` is fixed (``--alibi-rf-rho``) or learned
     per head through softplus (``--alibi-rf-learnable-rho``); the slope options
     of ``alibi`` apply. With the exponential and Gaussian decays the penalty is

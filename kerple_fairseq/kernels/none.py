@@ -11,7 +11,8 @@ class NoBiasKernel(BiasKernel):
     """``B_h(d) = 0``: attention sees order only through the causal mask.
 
     The NoPE baseline (no positional information besides causality), compared
-    against in the slides of ``papers/002`` and used as the cost baseline.
+    against in lectures on position encoding and length generalization (Khapra) and
+    used as the cost baseline.
     """
 
     encodes_position = False
