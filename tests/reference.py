@@ -5,7 +5,7 @@ eq. 3 for the slopes, KERPLE §4, §5.3 and Appendix A.3, T5 §2.1, Sandwich §6
 ``(head, distance)`` at a time in Python floats.
 
 :data:`KERNEL_REFERENCES` has one entry per registered kernel: ``entry(kernel, options)`` reads the
-built kernel's learnable values (``kernel.value(name)``, ``kernel.table``) and its ``num_heads``, and
+built kernel's stored parameters (``r1`` or ``r1_raw``, ``kernel.table``) and its ``num_heads``, and
 returns ``(bias, weight)``, two float64 functions of ``(head, distance)`` (``weight`` is ``None`` for
 a bias kernel). ``options`` holds the command-line options given to the kernel; options left out take
 their documented defaults here, independently of the kernel's own defaults. Adding a kernel means
@@ -116,8 +116,9 @@ def t5_bucket(d, num_buckets=32, max_distance=128):
                                                        * (num_buckets - exact))))
 
 
-def t5(table, num_buckets=32, max_distance=128):
-    return lambda h, d: table[h][t5_bucket(d, num_buckets, max_distance)]
+def t5(table, num_buckets=32, max_distance=128, scale=1.0):
+    """table[bucket][head], times scale."""
+    return lambda h, d: scale * table[t5_bucket(d, num_buckets, max_distance)][h]
 
 
 def sandwich_value(d, dim):
@@ -183,9 +184,23 @@ def reference_functions(kernel, options=None):
     return KERNEL_REFERENCES[kernel.name](kernel, dict(options or {}))
 
 
+def effective_value(stored, parameterization, floor, high):
+    """A learnable parameter's value from its stored number: ``clamp`` keeps it in ``[floor, high]``
+    (KERPLE's reference code); ``softplus`` maps it to ``floor + log(1 + e^x)``, or to
+    ``floor + (high - floor) / (1 + e^-x)`` below a finite ``high``."""
+    if parameterization == "clamp":
+        return min(max(stored, floor), high)
+    if math.isinf(high):
+        return floor + (stored + math.log1p(math.exp(-stored)) if stored > 0 else math.log1p(math.exp(stored)))
+    return floor + (high - floor) / (1.0 + math.exp(-stored))
+
+
 def learned(kernel, name):
-    """The kernel's constrained per-head values of learnable parameter ``name``, as Python floats."""
-    return kernel.value(name).detach().double().tolist()
+    """The per-head values of learnable parameter ``name``, as Python floats, from the kernel's stored
+    tensor (``name`` under ``clamp``, ``name_raw`` under ``softplus``)."""
+    parameterization = kernel.parameterization.name
+    stored = getattr(kernel, name if parameterization == "clamp" else name + "_raw").detach().double().tolist()
+    return [effective_value(x, parameterization, kernel.floor, kernel.upper_bounds[name]) for x in stored]
 
 
 def slopes_with_options(num_heads, options):
@@ -277,9 +292,11 @@ def gauss_wht2_reference(kernel, options):
 
 @reference_for("t5")
 def t5_reference(kernel, options):
-    """T5 §2.1 (as in KERPLE §4): B = b[h, bucket(d)], 32 buckets and max distance 128 unless given."""
+    """T5 §2.1 (as in KERPLE §4): B = s * b[bucket(d), h], 32 buckets and max distance 128 unless given;
+    s = sqrt(head width) unless --t5-bias-scale none (KERPLE's T5 baseline scales the looked-up bias)."""
     table = kernel.table.detach().double().tolist()
-    return t5(table, options.get("t5_num_buckets", 32), options.get("t5_max_distance", 128)), None
+    scale = 1.0 if options.get("t5_bias_scale") == "none" else math.sqrt(kernel.head_dim)
+    return t5(table, options.get("t5_num_buckets", 32), options.get("t5_max_distance", 128), scale), None
 
 
 @reference_for("sandwich")

@@ -18,7 +18,7 @@ NAMES = sorted(KERNELS)
 
 def distance_bias(name, heads=8, attention_window=0):
     torch.manual_seed(3)
-    kernel = build_kernel(name, heads, argparse.Namespace())
+    kernel = build_kernel(name, heads, argparse.Namespace(), head_dim=16)
     window = attention_window or (WINDOW if kernel.requires_window else 0)
     return DistanceBias(kernel, attention_window=window)
 

@@ -31,7 +31,7 @@ def test_checkpoint_holds_one_set_of_valid_kernel_parameters(trained, kernel):
     assert state["cfg"]["model"]["no_token_positional_embeddings"] is True
     assert not any("embed_positions" in k for k in state["model"])
     if kernel == "kerple_log":
-        assert kernel_keys == ["decoder.attention_bias.kernel.r1_raw", "decoder.attention_bias.kernel.r2_raw"]
+        assert kernel_keys == ["decoder.attention_bias.kernel.r1", "decoder.attention_bias.kernel.r2"]
         for key in kernel_keys:
             assert state["model"][key].shape == (4,) and torch.isfinite(state["model"][key]).all()
     else:

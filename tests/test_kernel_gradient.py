@@ -37,7 +37,7 @@ class SineKernel(BiasKernel):
 
 
 def kernel_options():
-    return Namespace(alibi_rf_learnable_rho=True)
+    return Namespace(alibi_rf_learnable_rho=True, decoder_embed_dim=64)
 
 
 def test_the_kernels_with_per_head_parameters_are_the_learnable_ones():

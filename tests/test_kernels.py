@@ -33,6 +33,11 @@ VARIANTS = {
                  {"alibi_rf_learnable_rho": True, "alibi_rf_rho": 20.0, "alibi_shift": -1.0}],
     "sandwich": [{}, {"sandwich_dim": 16}],
     "sandwich_smoothed": [{}, {"sandwich_dim": 32, "sandwich_fit_distances": 200}],
+    "t5": [{}, {"t5_init": "normal", "t5_bias_scale": "none"}],
+    # both parameterizations of an unbounded and a bounded (power) parameter, and of a weight kernel
+    "kerple_log": [{}, {"kernel_parameterization": "softplus"}],
+    "kerple_power": [{}, {"kernel_parameterization": "softplus"}],
+    "kerple_bias_wht": [{}, {"kernel_parameterization": "softplus"}],
 }
 CASES = [(name, options) for name in sorted(KERNELS) for options in VARIANTS.get(name, [{}])]
 WEIGHT_KERNELS = sorted(name for name, cls in KERNELS.items() if cls.has_weight)
@@ -43,8 +48,11 @@ def config(**options):
     return argparse.Namespace(**options)
 
 
+HEAD_DIM = 16  # the attention head width given to kernels that need it (t5)
+
+
 def make(name, heads, options=None):
-    return build_kernel(name, heads, config(**(options or {})))
+    return build_kernel(name, heads, config(**(options or {})), head_dim=HEAD_DIM)
 
 
 def learnable_cases():
@@ -135,9 +143,9 @@ def test_alibi_shift_and_equal_slope_as_in_sandwich_section_4():
 
 def test_t5_buckets_by_hand():
     """Exact below 16, 16 at d = 16 and 17, logarithmic, 31 from 128 on (T5's causal bucketing)."""
-    kernel = make("t5", 2)
+    kernel = make("t5", 2, {"t5_bias_scale": "none"})
     with torch.no_grad():
-        kernel.table.copy_(torch.arange(64, dtype=torch.float32).view(2, 32))
+        kernel.table.copy_(torch.arange(64, dtype=torch.float32).view(2, 32).T)
     distances = torch.tensor([0, 1, 15, 16, 17, 23, 24, 64, 127, 128, 5000], dtype=torch.float32)
     expected = [0, 1, 15, 16, 16, 18, 19, 26, 31, 31, 31]
     assert kernel(distances)[0].tolist() == expected
@@ -191,8 +199,8 @@ def test_gradients_of_learnable_parameters(case):
 def test_parameters_are_per_head_and_gradients_are_finite_at_zero_distance(case):
     name, options = case
     kernel = make(name, 12, options)
-    for p in kernel.parameters():
-        assert p.shape[0] == 12
+    for p in kernel.parameters():  # [heads], or T5's [buckets, heads] table
+        assert p.shape[0] == 12 if kernel.per_head_parameters else p.shape[-1] == 12
     distances = torch.arange(0, 10, dtype=torch.float32)
     out = kernel(distances).sum() + (kernel.weight(distances).sum() if kernel.has_weight else 0)
     out.backward()

@@ -125,14 +125,14 @@ def test_bias_is_built_once_per_forward_and_cached_while_frozen():
     assert len(calls) == 1, "four layers, one bias"
     model(tokens)[0].sum().backward()
     assert len(calls) == 2, "training: rebuilt every forward (parameters change)"
-    assert model.decoder.attention_bias.kernel.r1_raw.grad is not None
+    assert model.decoder.attention_bias.kernel.r1.grad is not None
     model.eval()
     with torch.no_grad():
         model(tokens)
         model(tokens)
     assert len(calls) == 3, "frozen: built once, then cached"
     # optimisers write through .data, invisible to version counters; the cache must still see it
-    model.decoder.attention_bias.kernel.r1_raw.data.add_(0.5)
+    model.decoder.attention_bias.kernel.r1.data.add_(0.5)
     with torch.no_grad():
         cached = model(tokens)[0]
     assert len(calls) == 4, "a parameter write invalidates the cache"
@@ -200,15 +200,15 @@ def test_layers_are_built_through_fairseqs_build_decoder_layer_hook():
         model.zero_grad()
         model(tokens)[0].logsumexp(-1).mean().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
-    assert grads[0].keys() == grads[1].keys() and "decoder.attention_bias.kernel.r1_raw" in grads[0]
+    assert grads[0].keys() == grads[1].keys() and "decoder.attention_bias.kernel.r1" in grads[0]
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, msg=name)
 
 
 def test_kernel_parameters_are_shared_by_all_layers():
     model = tiny_model("kerple_log", "--decoder-layers", "3")
-    keys = [k for k in model.state_dict() if "r1_raw" in k or "r2_raw" in k]
-    assert keys == ["decoder.attention_bias.kernel.r1_raw", "decoder.attention_bias.kernel.r2_raw"]
+    keys = [k for k in model.state_dict() if k.endswith((".r1", ".r2"))]
+    assert keys == ["decoder.attention_bias.kernel.r1", "decoder.attention_bias.kernel.r2"]
     assert model.decoder.embed_positions is None
 
 

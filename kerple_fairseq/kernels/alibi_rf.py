@@ -31,8 +31,8 @@ class AlibiReceptiveFieldOptions(AlibiSlopeOptions, LearnableKernelOptions):
     )
     alibi_rf_learnable_rho: bool = field(
         default=False,
-        metadata={"help": "learn one rho per head, rho_h = floor + softplus(theta_h) "
-                  "(floor: --kernel-param-floor)"},
+        metadata={"help": "learn one rho per head, kept above --kernel-param-floor as "
+                  "--kernel-parameterization says (softplus: rho_h = floor + softplus(theta_h))"},
     )
 
 
@@ -43,7 +43,8 @@ class AlibiReceptiveFieldKernel(LearnableKernel):
 
     A proposal, "ALiBi with a local receptive field" (§§3-8),
     untested in the literature. ``rho`` is fixed (``--alibi-rf-rho``) or learned
-    per head through softplus (``--alibi-rf-learnable-rho``); the slope options
+    per head (``--alibi-rf-learnable-rho``, kept in its domain by
+    ``--kernel-parameterization``); the slope options
     of ``alibi`` apply. With the exponential and Gaussian decays the penalty is
     largest at ``d ~ rho`` and returns towards 0 beyond it; the reciprocal one
     saturates at ``-m_h * rho``.
@@ -51,10 +52,11 @@ class AlibiReceptiveFieldKernel(LearnableKernel):
 
     options = AlibiReceptiveFieldOptions
 
-    def __init__(self, num_heads: int, kernel_param_floor: float = 1e-2, alibi_shift: float = 0.0,
+    def __init__(self, num_heads: int, kernel_param_floor: float = 1e-2, kernel_parameterization: str = "clamp",
+                 alibi_shift: float = 0.0,
                  alibi_equal_slope: Optional[float] = None, alibi_rf_decay: str = "exponential",
                  alibi_rf_rho: float = 512.0, alibi_rf_learnable_rho: bool = False):
-        super().__init__(num_heads, kernel_param_floor)
+        super().__init__(num_heads, kernel_param_floor, kernel_parameterization)
         decay = str(alibi_rf_decay)
         if decay not in DECAYS:
             raise KernelConfigError(f"--alibi-rf-decay must be one of {', '.join(DECAYS)}, got {decay!r}")
@@ -68,14 +70,14 @@ class AlibiReceptiveFieldKernel(LearnableKernel):
         if alibi_rf_learnable_rho:
             self.add_parameter("rho", torch.full((num_heads,), float(alibi_rf_rho)))
 
-    def rho(self, device) -> Tensor:
+    def receptive_field(self, device) -> Tensor:
         """``[num_heads, 1]`` receptive-field scales."""
         if self.fixed_rho is None:
             return self.column("rho")
         return torch.full((self.num_heads, 1), self.fixed_rho, dtype=self.compute_dtype(), device=device)
 
     def forward(self, distance: Tensor) -> Tensor:
-        rho = self.rho(distance.device)
+        rho = self.receptive_field(distance.device)
         d = distance.to(rho.dtype)[None, :]
         slopes = torch.tensor(self.slopes, dtype=rho.dtype, device=distance.device)[:, None]
         if self.decay == "exponential":

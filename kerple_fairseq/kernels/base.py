@@ -35,19 +35,21 @@ class BiasKernel(nn.Module):
     requires_window: ClassVar[bool] = False
     #: every parameter has ``num_heads`` elements and element ``h`` shapes head ``h``'s bias alone
     per_head_parameters: ClassVar[bool] = False
+    #: the constructor takes ``head_dim``, the width of one attention head
+    needs_head_dim: ClassVar[bool] = False
 
     def __init__(self, num_heads: int):
         super().__init__()
         if num_heads < 1:
             raise KernelConfigError(f"the number of attention heads must be >= 1, got {num_heads}")
         self.num_heads = num_heads
+        # an empty tensor that .double(), .half() and .to() convert like any other: it carries the
+        # precision asked of a kernel that has no parameters of its own; not saved in checkpoints
+        self.register_buffer("precision", torch.empty(0), persistent=False)
 
     def compute_dtype(self) -> torch.dtype:
-        """float32, or float64 when the kernel's tensors are float64 (gradient checks)."""
-        tensors = list(self.parameters()) + list(self.buffers())
-        if any(t.dtype == torch.float64 for t in tensors):
-            return torch.float64
-        return torch.float32
+        """float32, or float64 when the kernel was asked for float64 (``.double()``, gradient checks)."""
+        return torch.float64 if self.precision.dtype == torch.float64 else torch.float32
 
     def forward(self, distance: Tensor) -> Tensor:
         raise NotImplementedError

@@ -20,8 +20,8 @@ class GaussBias2Kernel(LearnableKernel):
     kernel added to the logits.
     """
 
-    def __init__(self, num_heads: int, kernel_param_floor: float = 1e-2):
-        super().__init__(num_heads, kernel_param_floor)
+    def __init__(self, num_heads: int, **constraint_options):
+        super().__init__(num_heads, **constraint_options)
         self.add_parameter("r1", uniform(num_heads, 1.0))
         self.add_parameter("r2", uniform(num_heads, 1.0))
 
@@ -38,8 +38,8 @@ class GaussBias3Kernel(LearnableKernel):
     the Gaussian relaxed to ``(0, 2]``, where ``exp(-|x|^p)`` stays positive definite.
     """
 
-    def __init__(self, num_heads: int, kernel_param_floor: float = 1e-2):
-        super().__init__(num_heads, kernel_param_floor)
+    def __init__(self, num_heads: int, **constraint_options):
+        super().__init__(num_heads, **constraint_options)
         self.add_parameter("r1", uniform(num_heads, 1.0))
         self.add_parameter("r2", uniform(num_heads, 1.0))
         self.add_power("r3", uniform(num_heads, 2.0))
@@ -59,8 +59,8 @@ class GaussWeight1Kernel(LearnableKernel):
 
     has_weight = True
 
-    def __init__(self, num_heads: int, kernel_param_floor: float = 1e-2):
-        super().__init__(num_heads, kernel_param_floor)
+    def __init__(self, num_heads: int, **constraint_options):
+        super().__init__(num_heads, **constraint_options)
         self.add_parameter("r1", uniform(num_heads, 1.0))
 
     def forward(self, distance: Tensor) -> Tensor:
@@ -81,8 +81,8 @@ class GaussWeight2Kernel(LearnableKernel):
 
     has_weight = True
 
-    def __init__(self, num_heads: int, kernel_param_floor: float = 1e-2):
-        super().__init__(num_heads, kernel_param_floor)
+    def __init__(self, num_heads: int, **constraint_options):
+        super().__init__(num_heads, **constraint_options)
         self.add_parameter("r1", uniform(num_heads, 1.0))
         self.add_power("r2", uniform(num_heads, 2.0))
 

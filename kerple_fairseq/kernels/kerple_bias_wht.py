@@ -19,8 +19,8 @@ class KerpleBiasWeightKernel(LearnableKernel):
 
     has_weight = True
 
-    def __init__(self, num_heads: int, kernel_param_floor: float = 1e-2):
-        super().__init__(num_heads, kernel_param_floor)
+    def __init__(self, num_heads: int, **constraint_options):
+        super().__init__(num_heads, **constraint_options)
         self.add_parameter("r1", uniform(num_heads, 1.0))
         self.add_power("r2", uniform(num_heads, 2.0))
         self.add_parameter("r3", uniform(num_heads, 1.0))

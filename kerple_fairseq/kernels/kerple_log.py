@@ -12,12 +12,13 @@ class KerpleLogKernel(LearnableKernel):
 
     KERPLE (Chi et al., NeurIPS 2022), §4, the logarithmic variant of Corollary 1.
     Reference initialisation ``r1 ~ U[0, 2)``, ``r2 ~ U[0, 1)``; both are kept
-    above ``--kernel-param-floor`` (1e-2) by the softplus reparameterisation of
-    :mod:`kerple_fairseq.kernels.constraints`.
+    at or above ``--kernel-param-floor`` (1e-2) as ``--kernel-parameterization``
+    says (:mod:`kerple_fairseq.kernels.constraints`; ``clamp`` by default, as the
+    reference code does).
     """
 
-    def __init__(self, num_heads: int, kernel_param_floor: float = 1e-2):
-        super().__init__(num_heads, kernel_param_floor)
+    def __init__(self, num_heads: int, **constraint_options):
+        super().__init__(num_heads, **constraint_options)
         self.add_parameter("r1", uniform(num_heads, 2.0))
         self.add_parameter("r2", uniform(num_heads, 1.0))
 

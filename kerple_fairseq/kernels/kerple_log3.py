@@ -17,8 +17,8 @@ class KerpleLog3Kernel(LearnableKernel):
     at 1 so that training begins from the logarithmic variant.
     """
 
-    def __init__(self, num_heads: int, kernel_param_floor: float = 1e-2):
-        super().__init__(num_heads, kernel_param_floor)
+    def __init__(self, num_heads: int, **constraint_options):
+        super().__init__(num_heads, **constraint_options)
         self.add_parameter("r1", uniform(num_heads, 2.0))
         self.add_parameter("r2", uniform(num_heads, 1.0))
         self.add_power("r3", torch.ones(num_heads))

@@ -12,12 +12,12 @@ class KerplePowerKernel(LearnableKernel):
 
     KERPLE (Chi et al., NeurIPS 2022), §4, the power variant of Corollary 1.
     Reference initialisation ``r1 ~ U[0, 1)``, ``r2 ~ U[0, 2)``. ``r1`` is kept
-    above ``--kernel-param-floor`` by softplus, ``r2`` inside ``(floor, 2)`` by a
-    scaled sigmoid.
+    at or above ``--kernel-param-floor``, ``r2`` in ``[floor, 2]``, as
+    ``--kernel-parameterization`` says.
     """
 
-    def __init__(self, num_heads: int, kernel_param_floor: float = 1e-2):
-        super().__init__(num_heads, kernel_param_floor)
+    def __init__(self, num_heads: int, **constraint_options):
+        super().__init__(num_heads, **constraint_options)
         self.add_parameter("r1", uniform(num_heads, 1.0))
         self.add_power("r2", uniform(num_heads, 2.0))
 

@@ -6,14 +6,14 @@ from typing import Dict
 import torch
 from torch import Tensor, nn
 
+from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels.base import BiasKernel
 from kerple_fairseq.kernels.constraints import (
+    Clamp,
     LearnableKernelOptions,
-    bounded,
-    bounded_inverse,
+    Softplus,
     check_floor,
-    positive,
-    positive_inverse,
+    parameterization,
 )
 
 #: the largest power a distance may be raised to (KERPLE Fact 5: beyond 2 the kernel is not CPD)
@@ -23,48 +23,62 @@ MAX_POWER = 2.0
 class LearnableKernel(BiasKernel):
     """A :class:`BiasKernel` whose parameters are per head and constrained.
 
-    ``add_parameter("r1", init)`` stores ``r1_raw`` (an ``nn.Parameter`` of shape
-    ``[num_heads]``); ``value("r1")`` maps it into ``(floor, high)`` on every use,
-    in the compute dtype. The bound therefore holds for whatever the optimiser
-    writes, fp16 master weights and checkpoints included.
+    ``add_parameter("r1", init)`` stores an ``nn.Parameter`` of shape ``[num_heads]``
+    as ``--kernel-parameterization`` says (:mod:`kerple_fairseq.kernels.constraints`):
+    ``r1`` holding the value itself (``clamp``) or ``r1_raw`` (``softplus``);
+    ``value("r1")`` is the effective value in ``[floor, high]``, in the compute
+    dtype, whatever the optimiser wrote. Loading a ``softplus`` state dict into a
+    ``clamp`` kernel stores its effective values: the same bias, bit for bit.
     """
 
     options = LearnableKernelOptions
     per_head_parameters = True
 
-    def __init__(self, num_heads: int, kernel_param_floor: float = 1e-2):
+    def __init__(self, num_heads: int, kernel_param_floor: float = 1e-2, kernel_parameterization: str = "clamp"):
         super().__init__(num_heads)
         self.floor = check_floor(kernel_param_floor)
+        self.parameterization = parameterization(kernel_parameterization)
         self.upper_bounds: Dict[str, float] = {}
 
     def add_parameter(self, name: str, init: Tensor, high: float = math.inf) -> None:
-        """Learn ``name`` in ``(floor, high)``, starting from ``init`` (moved inside if on a bound)."""
+        """Learn ``name`` in ``[floor, high]``, starting from the values ``init``."""
         if init.shape != (self.num_heads,):
             raise ValueError(f"{name}: expected {self.num_heads} initial values, got shape {tuple(init.shape)}")
         self.upper_bounds[name] = high
-        if math.isinf(high):
-            raw = positive_inverse(init, self.floor)
-        else:
-            raw = bounded_inverse(init, self.floor, high)
-        self.register_parameter(f"{name}_raw", nn.Parameter(raw))
+        stored = self.parameterization.stored(init, self.floor, high)
+        self.register_parameter(name + self.parameterization.suffix, nn.Parameter(stored))
 
     def add_power(self, name: str, init: Tensor) -> None:
-        """A learnable exponent of the distance, in ``(floor, 2)``."""
+        """A learnable exponent of the distance, in ``[floor, 2]``."""
         self.add_parameter(name, init, MAX_POWER)
 
     def value(self, name: str) -> Tensor:
-        """The constrained ``[num_heads]`` values of parameter ``name``."""
-        raw = getattr(self, f"{name}_raw").to(self.compute_dtype())
-        high = self.upper_bounds[name]
-        return positive(raw, self.floor) if math.isinf(high) else bounded(raw, self.floor, high)
+        """The effective ``[num_heads]`` values of parameter ``name``."""
+        stored = getattr(self, name + self.parameterization.suffix).to(self.compute_dtype())
+        return self.parameterization.effective(stored, self.floor, self.upper_bounds[name])
 
     def column(self, name: str) -> Tensor:
         """``value(name)`` as a ``[num_heads, 1]`` column, to broadcast against distances."""
         return self.value(name)[:, None]
 
     def values(self) -> Dict[str, Tensor]:
-        """Every learnable parameter's constrained values, by name (for logs and analysis)."""
+        """Every learnable parameter's effective values, by name (for logs and analysis)."""
         return {name: self.value(name) for name in self.upper_bounds}
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name, high in self.upper_bounds.items():
+            raw, plain = prefix + name + Softplus.suffix, prefix + name + Clamp.suffix
+            if self.parameterization is Clamp and raw in state_dict and plain not in state_dict:
+                # a softplus checkpoint (the only kind before --kernel-parameterization existed):
+                # its effective values, computed as its forward computed them
+                stored = state_dict.pop(raw)
+                dtype = torch.float64 if stored.dtype == torch.float64 else torch.float32
+                state_dict[plain] = Softplus.effective(stored.to(dtype), self.floor, high)
+            elif self.parameterization is Softplus and plain in state_dict and raw not in state_dict:
+                raise KernelConfigError(
+                    f"the {self.name} kernel's parameters were saved with --kernel-parameterization clamp; "
+                    "load them with --kernel-parameterization clamp")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 def distance_power(distance: Tensor, power) -> Tensor:

@@ -1,7 +1,7 @@
 """Name -> kernel class registry, and the command-line options the kernels declare."""
 
 import dataclasses
-from typing import Dict, List, Type
+from typing import Dict, List, Optional, Type
 
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels.base import BiasKernel
@@ -28,10 +28,11 @@ def kernel_names() -> List[str]:
     return sorted(KERNELS)
 
 
-def build_kernel(name: str, num_heads: int, cfg=None) -> BiasKernel:
+def build_kernel(name: str, num_heads: int, cfg=None, head_dim: Optional[int] = None) -> BiasKernel:
     """Instantiate kernel ``name`` for ``num_heads`` heads, reading its options from ``cfg``.
 
-    Options missing from ``cfg`` (or ``None`` there) take the option dataclass's default.
+    Options missing from ``cfg`` (or ``None`` there) take the option dataclass's default. A kernel
+    that ``needs_head_dim`` gets ``head_dim``, by default ``cfg``'s ``decoder_embed_dim / num_heads``.
     """
     if name not in KERNELS:
         raise KernelConfigError(
@@ -42,6 +43,12 @@ def build_kernel(name: str, num_heads: int, cfg=None) -> BiasKernel:
     for f in dataclasses.fields(cls.options) if cls.options else ():
         value = getattr(cfg, f.name, None) if cfg is not None else None
         kwargs[f.name] = f.default if value is None else value
+    if cls.needs_head_dim:
+        if head_dim is None and getattr(cfg, "decoder_embed_dim", None) is not None:
+            head_dim = cfg.decoder_embed_dim // num_heads
+        if head_dim is None:
+            raise KernelConfigError(f"bias kernel {name!r} needs the width of an attention head")
+        kwargs["head_dim"] = head_dim
     return cls(num_heads, **kwargs)
 
 

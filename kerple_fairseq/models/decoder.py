@@ -34,14 +34,14 @@ def replaced(module, name: str, value):
 
 def attention_setup(args) -> AttentionSetup:
     """The decoder's shared bias, rotary embedding and attention options, from its arguments."""
-    kernel = build_kernel(args.bias_kernel, args.decoder_attention_heads, args)
+    head_dim = args.decoder_embed_dim // args.decoder_attention_heads
+    kernel = build_kernel(args.bias_kernel, args.decoder_attention_heads, args, head_dim=head_dim)
     block_size = safe_getattr(args, "attention_block_size", DEFAULT_BLOCK_SIZE)
     if block_size < 0:
         raise KernelConfigError(f"--attention-block-size must be >= 0 (0: no blocks), got {block_size}")
     cache_size = safe_getattr(args, "max_cache_window", 0)
     if cache_size < 0:
         raise KernelConfigError(f"--max-cache-window must be >= 0 (0: keep every key), got {cache_size}")
-    head_dim = args.decoder_embed_dim // args.decoder_attention_heads
     return AttentionSetup(
         bias=DistanceBias(kernel, attention_window=safe_getattr(args, "attn_window", 0)),
         rotary=RotaryEmbedding(head_dim) if safe_getattr(args, "rotary_embeddings", False) else None,
