@@ -21,7 +21,8 @@ sys.path.insert(0, str(REPO))  # this checkout's kerple_fairseq
 logging.getLogger().addHandler(logging.NullHandler())  # keeps fairseq's import-time logging set-up off stderr
 
 from kerple_fairseq.experiments.comparison import CommandFailed  # noqa: E402
-from kerple_fairseq.experiments.small_comparison import compare  # noqa: E402
+from kerple_fairseq.experiments.small_comparison import KERNEL_ARCHS, compare  # noqa: E402
+from kerple_fairseq.kernels.constraints import PARAMETERIZATIONS  # noqa: E402
 from kerple_fairseq.experiments.wikitext103 import PrepareError, missing_token_files  # noqa: E402
 
 NO_DATA = (
@@ -53,6 +54,10 @@ def parse_args():
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--kernels", nargs="+", choices=list(KERNEL_ARCHS), default=list(KERNEL_ARCHS),
+                   help="the models to train (default: both)")
+    p.add_argument("--kernel-parameterization", choices=PARAMETERIZATIONS, default="clamp",
+                   help="how KERPLE-log's parameters stay positive: clamp (KERPLE's reference, default) or softplus")
     return p.parse_args()
 
 

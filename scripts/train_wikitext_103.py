@@ -74,8 +74,8 @@ def main(argv=None):
         print(f"{PROG}: warning: no GPU: the full recipe on CPU takes months; --tiny is the CPU smoke preset",
               file=sys.stderr)
     cmd = recipe.base_command(args.data, args.kernel, args.train_length, preset, freq, save_dir)
-    commands = [recipe.gpu_command(cmd, gpus, args.nodes, args.node_rank, args.master)] if gpus \
-        else recipe.cpu_commands(cmd, local_workers)
+    commands = [recipe.gpu_command(cmd, gpus, args.nodes, args.node_rank, args.master, preset.fp16)] if gpus \
+        else recipe.cpu_commands(cmd, local_workers, preset.fp16)
     commands = [c + extra for c in commands]  # the user's fairseq-train options last: they win
     if args.dry_run:
         print("\n".join(shlex.join(c) for c in commands))

@@ -212,9 +212,11 @@ def constrained(kernel):
     return isinstance(kernel, LearnableKernel) and kernel.upper_bounds
 
 
+@pytest.mark.parametrize("parameterization", ["clamp", "softplus"])
 @pytest.mark.parametrize("case", [c for c in learnable_cases() if constrained(make(c[0], 2, c[1]))], ids=case_id)
-def test_constraints_hold_after_optimiser_steps_pushing_out_of_domain(case):
+def test_constraints_hold_after_optimiser_steps_pushing_out_of_domain(case, parameterization):
     name, options = case
+    options = {**options, "kernel_parameterization": parameterization}
     distances = torch.arange(0, 100, dtype=torch.float32)
     lowest = math.inf
     for sign in (1.0, -1.0):  # minimise, then (from a fresh kernel) maximise the bias and weight

@@ -8,12 +8,7 @@ from fairseq.models.transformer_lm import TransformerLanguageModel, base_lm_arch
 from kerple_fairseq.kernels import KERNELS
 from kerple_fairseq.models.transformer_lm_kerple import KernelBiasedLanguageModel
 
-from helpers import TINY, VOCAB, TinyTask, parse_model_args, tiny_model
-
-
-def random_tokens(batch=3, length=24, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, VOCAB + 4, (batch, length), generator=g)
+from helpers import TINY, TinyTask, parse_model_args, random_tokens, tiny_model
 
 
 def full_log_probs(model, tokens):

@@ -126,9 +126,12 @@ def draw(figure: Callable[[], None], png: str) -> bool:
 
 def analyse_kernels(args, labels, out: str) -> None:
     loaded = [load_kernel(p, label) for p, label in zip(args.path, labels)]
-    rows, panels = [], []
+    rows, panels, learned = [], [], []
     for ck in loaded:
         curves, weights = ck.curves(args.max_distance), ck.weight_curves(args.max_distance)
+        for name, values in ck.learned_values().items():
+            learned.extend((ck.label, ck.kernel.name, name, head + 1, repr(v)) for head, v in enumerate(values))
+            print(f"{ck.label}: {name} = " + ", ".join(f"{v:.4g}" for v in values))
         panels.append((f"{ck.label} ({ck.kernel.name}{f', window {ck.attention_window}' if ck.attention_window else ''})", curves))
         for head, row in enumerate(curves):
             for d, bias in enumerate(row):
@@ -137,6 +140,8 @@ def analyse_kernels(args, labels, out: str) -> None:
         print(f"{ck.label}: {ck.kernel.name}, {len(curves)} heads, B_h({args.max_distance}) = "
               + ", ".join(f"{v:.3g}" for v in curves[:, -1]))
     write_csv(os.path.join(out, "kernels.csv"), ["model", "kernel", "head", "distance", "bias", "weight"], rows)
+    if learned:
+        write_csv(os.path.join(out, "kernel-parameters.csv"), ["model", "kernel", "parameter", "head", "value"], learned)
     png = os.path.join(out, "kernels.png")
     draw(lambda: figures.kernels(panels, png), png)
 

@@ -7,7 +7,7 @@ for every ``x`` gives KERPLE's Figure 6b.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -34,6 +34,13 @@ class CheckpointKernel:
         with torch.no_grad():
             return DistanceBias(self.kernel, self.attention_window).per_distance(max_distance + 1).double().numpy()
 
+    def learned_values(self) -> Dict[str, List[float]]:
+        """Each learnable parameter's effective per-head values (as the forward uses them), by name;
+        empty for a kernel without constrained parameters."""
+        values = getattr(self.kernel, "values", None)
+        with torch.no_grad():
+            return {} if values is None else {name: v.double().tolist() for name, v in values().items()}
+
     def weight_curves(self, max_distance: int) -> Optional[np.ndarray]:
         """``W_h(d)`` of a weight kernel, else None."""
         if not self.kernel.has_weight:
@@ -54,7 +61,8 @@ def load_kernel(path: str, label: str) -> CheckpointKernel:
                          "need a model trained with --user-dir kerple_fairseq")
     try:
         kernel = build_kernel(name, model_cfg.decoder_attention_heads, model_cfg)
-        weights = {k[len(KERNEL_PREFIX):]: v.float() for k, v in state["model"].items() if k.startswith(KERNEL_PREFIX)}
+        weights = {k[len(KERNEL_PREFIX):]: v.float() if v.is_floating_point() else v
+                   for k, v in state["model"].items() if k.startswith(KERNEL_PREFIX)}
         kernel.load_state_dict(weights)
     except (KernelConfigError, RuntimeError) as e:
         raise UsageError(f"cannot rebuild the {name} kernel of {path}: {str(e).splitlines()[0]}") from e

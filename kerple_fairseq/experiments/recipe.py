@@ -13,13 +13,19 @@ from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.experiments.paths import BIN, USER_DIR
 
 
+# fp16 on CPU: fairseq's fp16 optimiser with unflattened gradients (fp32 master weights, dynamic
+# loss scaling); plain --fp16 with --cpu fails inside fairseq, which then asks CUDA for a device
+CPU_FP16_FLAGS = ["--fp16", "--fp16-no-flatten-grads"]
+
+
 class Preset(NamedTuple):
-    """A recipe's fairseq-train flags (less the per-run ones), its tokens per batch, and the number of
-    workers whose batches make one update in the recipe."""
+    """A recipe's fairseq-train flags (less the per-run ones and the precision), its tokens per batch,
+    the number of workers whose batches make one update in the recipe, and whether it trains in fp16."""
 
     flags: List[str]
     max_tokens: int
     reference_workers: int
+    fp16: bool
 
 
 def adam_flags(lr: float, warmup_updates: int) -> List[str]:
@@ -35,9 +41,11 @@ ALIBI_WIKITEXT_103 = Preset(
            "--lr-scheduler", "cosine", "--lr-period-updates", "270000", "--t-mult", "2", "--lr-shrink", "0.75",
            "--min-lr", "0.0001", "--warmup-updates", "16000", "--warmup-init-lr", "1e-07", "--stop-min-lr", "1e-09",
            "--max-update", "286000", "--sample-break-mode", "none", "--seed", "1",
-           "--skip-invalid-size-inputs-valid-test", "--required-batch-size-multiple", "1"],
+           "--skip-invalid-size-inputs-valid-test", "--required-batch-size-multiple", "1",
+           "--kernel-parameterization", "clamp"],  # KERPLE's reference keeps its parameters in domain by clamping
     max_tokens=9216,
     reference_workers=8,  # the paper's 8 GPUs: 73,728 tokens per update
+    fp16=True,
 )
 # the same pipeline on CPU in seconds: a 2-layer, 64-wide model
 TINY = Preset(
@@ -46,6 +54,7 @@ TINY = Preset(
            "--max-update", "20", "--sample-break-mode", "none", "--seed", "1", "--num-workers", "0"],
     max_tokens=1024,
     reference_workers=2,
+    fp16=True,
 )
 
 
@@ -91,23 +100,25 @@ def base_command(data: Path, kernel: str, train_length: int, preset: Preset, fre
             "--tensorboard-logdir", str(save_dir / "tensorboard")]
 
 
-def cpu_commands(cmd: List[str], processes: int) -> List[List[str]]:
-    """One command per gloo process. fairseq 0.12 cannot spawn CPU workers itself (it spawns one per
-    GPU) and its torchrun inference assumes CUDA, so each rank is started explicitly."""
+def cpu_commands(cmd: List[str], processes: int, fp16: bool) -> List[List[str]]:
+    """One command per gloo process, in fp16 if asked (:data:`CPU_FP16_FLAGS`). fairseq 0.12 cannot
+    spawn CPU workers itself (it spawns one per GPU) and its torchrun inference assumes CUDA, so each
+    rank is started explicitly."""
+    cmd = cmd + ["--cpu"] + (CPU_FP16_FLAGS if fp16 else [])
     if processes == 1:
-        return [cmd + ["--cpu"]]
+        return [cmd]
     init = f"tcp://127.0.0.1:{free_port()}"
-    return [cmd + ["--cpu", "--distributed-world-size", str(processes), "--distributed-rank", str(rank),
+    return [cmd + ["--distributed-world-size", str(processes), "--distributed-rank", str(rank),
                    "--distributed-init-method", init, "--distributed-no-spawn",
                    "--distributed-backend", "gloo", "--ddp-backend", "legacy_ddp"]
             for rank in range(processes)]
 
 
-def gpu_command(cmd: List[str], gpus: int, nodes: int, node_rank: int, master: Optional[str]) -> List[str]:
-    """fp16 on this machine's ``gpus`` GPUs, one of ``nodes`` machines (node 0 at ``master``, HOST:PORT)."""
+def gpu_command(cmd: List[str], gpus: int, nodes: int, node_rank: int, master: Optional[str], fp16: bool) -> List[str]:
+    """This machine's ``gpus`` GPUs, in fp16 if asked, one of ``nodes`` machines (node 0 at ``master``, HOST:PORT)."""
     # legacy_ddp: the adaptive softmax leaves some parameters without gradient in a step, which
     # fairseq's c10d DDP rejects
-    cmd = cmd + ["--fp16", "--ddp-backend", "legacy_ddp", "--distributed-world-size", str(gpus * nodes)]
+    cmd = cmd + (["--fp16"] if fp16 else []) + ["--ddp-backend", "legacy_ddp", "--distributed-world-size", str(gpus * nodes)]
     if nodes > 1:
         cmd += ["--distributed-rank", str(node_rank * gpus), "--distributed-init-method", f"tcp://{master}"]
     return cmd

@@ -56,6 +56,7 @@ def train(args: argparse.Namespace, data_bin: Path, kernel: str) -> Path:
     stage(f"training {KERNEL_ARCHS[kernel]} (--bias-kernel {kernel}), {args.updates} updates")
     run([BIN / "fairseq-train", data_bin, "--user-dir", USER_DIR,
          "--arch", KERNEL_ARCHS[kernel], "--bias-kernel", kernel,
+         "--kernel-parameterization", args.kernel_parameterization,
          *model_size_flags(args.layers, args.width, args.heads, dropout=0.1),
          *cpu_training_flags(args.train_length, args.max_tokens, lr=0.002, warmup_updates=20, seed=args.seed,
                              log_format="simple", log_interval=25, adam_betas="(0.9, 0.98)", clip_norm=1.0),
@@ -103,12 +104,13 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
     evaluated = comparison.train_and_evaluate([
         Model(kernel, partial(train, args, data_bin, kernel),
               eval_flags=["--position-wise", args.out / kernel / "position-wise.csv"])
-        for kernel in KERNEL_ARCHS])
+        for kernel in args.kernels])
     results = {kernel: e.records for kernel, e in evaluated.items()}
     text = (f"Validation perplexity (early-token-cursed: every token, non-overlapping blocks; last-token: "
             f"the same {args.num_targets} targets after L-1 tokens), trained at L={args.train_length} "
             f"for {args.updates} updates of {args.max_tokens} tokens; {args.layers} layers, width {args.width}, "
-            f"{args.heads} heads, {args.vocab_size or 'full'} vocabulary.\n\n" + table(results, args.eval_lengths))
+            f"{args.heads} heads, {args.vocab_size or 'full'} vocabulary, seed {args.seed}, "
+            f"--kernel-parameterization {args.kernel_parameterization}.\n\n" + table(results, args.eval_lengths))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text + "\n")
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
