@@ -71,8 +71,12 @@ def test_memory_efficient_fp16_trains_too(data_bin, tmp_path):
     check_checkpoint(tmp_path / "checkpoint_last.pt", "kerple_power")
 
 
+LONG_CASES = [(k, p) for k in LEARNABLE for p in ("clamp", "softplus")] + [("t5", "clamp"), ("alibi", "clamp")]
+FAST_LONG = {("kerple_log", "clamp"), ("kerple_power", "softplus")}  # in the fast tier; the others in the slow one
+
+
 @pytest.mark.parametrize("kernel, parameterization",
-                         [(k, p) for k in LEARNABLE for p in ("clamp", "softplus")] + [("t5", "clamp"), ("alibi", "clamp")])
+                         [pytest.param(*c, marks=() if c in FAST_LONG else pytest.mark.slow) for c in LONG_CASES])
 def test_fp16_forward_and_backward_at_2048_tokens_are_finite(kernel, parameterization):
     torch.manual_seed(0)
     flags = [*KERNEL_FLAGS.get(kernel, []), "--kernel-parameterization", parameterization]
