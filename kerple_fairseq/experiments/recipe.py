@@ -54,7 +54,9 @@ TINY = Preset(
            "--max-update", "20", "--sample-break-mode", "none", "--seed", "1", "--num-workers", "0"],
     max_tokens=1024,
     reference_workers=2,
-    fp16=True,
+    # fp32, so that a resumed run equals an uninterrupted one: fairseq's fp16 checkpoints keep the
+    # fp16 weights, and a resumed run rebuilds its fp32 master copy from them
+    fp16=False,
 )
 
 
