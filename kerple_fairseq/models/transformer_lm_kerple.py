@@ -49,11 +49,13 @@ class KernelBiasedLanguageModel(TransformerLanguageModel):
             return super().build_model(args, task)
 
 
-def _plugin_defaults(args, default_kernel: str, rotary: bool = False) -> None:
+def _plugin_defaults(args, default_kernel: str, rotary: bool = False, token_positions: bool = False,
+                     learned_positions: bool = False) -> None:
     args.bias_kernel = safe_getattr(args, "bias_kernel", default_kernel)
     args.rotary_embeddings = safe_getattr(args, "rotary_embeddings", rotary)
     args.attn_window = safe_getattr(args, "attn_window", 0)
-    args.token_positional_embeddings = safe_getattr(args, "token_positional_embeddings", False)
+    args.token_positional_embeddings = safe_getattr(args, "token_positional_embeddings", token_positions)
+    args.decoder_learned_pos = safe_getattr(args, "decoder_learned_pos", learned_positions)
     args.no_token_positional_embeddings = safe_getattr(
         args, "no_token_positional_embeddings", False
     ) or not args.token_positional_embeddings
@@ -98,4 +100,35 @@ def rotary_base_architecture(args):
 def rotary_wiki103_architecture(args):
     """ALiBi's WikiText-103 model (``transformer_lm_wiki103``) with rotary positions, no bias."""
     _plugin_defaults(args, "none", rotary=True)
+    transformer_lm_baevski_wiki103(args)
+
+
+@register_model_architecture(MODEL_NAME, "transformer_lm_sinusoidal")
+def sinusoidal_base_architecture(args):
+    """fairseq's ``transformer_lm`` sizes, sinusoidal token positions, no bias: the sinusoidal
+    baseline built exactly as the kernel models are (stock ``--arch transformer_lm`` is not: it keeps
+    512-wide embeddings and post-LayerNorm when ``--decoder-embed-dim`` is changed)."""
+    _plugin_defaults(args, "none", token_positions=True)
+    base_lm_architecture(args)
+
+
+@register_model_architecture(MODEL_NAME, "transformer_lm_sinusoidal_wiki103")
+def sinusoidal_wiki103_architecture(args):
+    """ALiBi's WikiText-103 model (``transformer_lm_wiki103``) with sinusoidal token positions, no bias."""
+    _plugin_defaults(args, "none", token_positions=True)
+    transformer_lm_baevski_wiki103(args)
+
+
+@register_model_architecture(MODEL_NAME, "transformer_lm_learned_pos")
+def learned_pos_base_architecture(args):
+    """fairseq's ``transformer_lm`` sizes, learned token positions (one per position up to
+    ``--tokens-per-sample``: no extrapolation), no bias."""
+    _plugin_defaults(args, "none", token_positions=True, learned_positions=True)
+    base_lm_architecture(args)
+
+
+@register_model_architecture(MODEL_NAME, "transformer_lm_learned_pos_wiki103")
+def learned_pos_wiki103_architecture(args):
+    """ALiBi's WikiText-103 model (``transformer_lm_wiki103``) with learned token positions, no bias."""
+    _plugin_defaults(args, "none", token_positions=True, learned_positions=True)
     transformer_lm_baevski_wiki103(args)

@@ -1,0 +1,88 @@
+"""The models of one comparison differ only in their position encoding: built with the comparison's
+flags, every architecture and kernel gives the same parameters (names, shapes), norm placement,
+embedding scale and dropouts, apart from the position parameters themselves."""
+
+import pytest
+import torch
+from fairseq import models as fairseq_models, options
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq.models.transformer_lm import TransformerLanguageModel
+
+from kerple_fairseq.experiments.language_models import DictionaryTask, build_model, model_size_flags, parse_model_flags
+
+#: every way the plugin encodes position, by name: its flags
+POSITION_ENCODINGS = {
+    "sinusoidal": ["--arch", "transformer_lm_sinusoidal{size}"],
+    "learned": ["--arch", "transformer_lm_learned_pos{size}"],
+    "rotary": ["--arch", "transformer_lm_rotary{size}"],
+    "nope": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "none"],
+    "t5": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "t5"],
+    "alibi": ["--arch", "transformer_lm_alibi{size}"],
+    "kerple_log": ["--arch", "transformer_lm_kerple{size}"],
+}
+POSITION_PARAMETERS = ("embed_positions.", "attention_bias.kernel.")
+
+
+def build(name, size, flags, task):
+    """Position encoding ``name`` on the architecture of ``size`` ("": transformer_lm's, "_wiki103": ALiBi's)."""
+    return build_model(parse_model_flags([*(f.format(size=size) for f in POSITION_ENCODINGS[name]), *flags]), task)
+
+
+def signature(model):
+    """Everything of the model that a position encoding must not change."""
+    layers = model.decoder.layers
+    return {
+        "parameters": [(n, tuple(p.shape)) for n, p in model.named_parameters()
+                       if not any(k in n for k in POSITION_PARAMETERS)],
+        "normalize_before": [layer.normalize_before for layer in layers],
+        "final_layer_norm": model.decoder.layer_norm is not None,
+        "embed_scale": model.decoder.embed_scale,
+        "dropout": [model.decoder.dropout_module.p] + [layer.dropout_module.p for layer in layers],
+        "attention_dropout": [layer.self_attn.dropout_module.p for layer in layers],
+        "adaptive_softmax": model.decoder.adaptive_softmax is not None,
+    }
+
+
+def position_parameters(model):
+    return sum(p.numel() for n, p in model.named_parameters() if any(k in n for k in POSITION_PARAMETERS))
+
+
+def assert_differ_only_in_position(models):
+    signatures = {name: signature(model) for name, model in models.items()}
+    first = next(iter(signatures))
+    for name, sig in signatures.items():
+        for key in sig:
+            assert sig[key] == signatures[first][key], f"{name} and {first} differ in {key}"
+    heads = models["alibi"].decoder.layers[0].self_attn.num_heads
+    encoded = {name: position_parameters(model) for name, model in models.items()}
+    assert encoded["nope"] == encoded["alibi"] == encoded["rotary"] == encoded["sinusoidal"] == 0
+    assert encoded["kerple_log"] == 2 * heads and encoded["t5"] == 32 * heads and encoded["learned"] > 0
+
+
+def test_small_comparison_models_differ_only_in_position():
+    flags = model_size_flags(layers=2, width=128, heads=4, dropout=0.1)
+    task = DictionaryTask(8000)
+    torch.manual_seed(0)
+    models = {name: build(name, "", flags, task) for name in POSITION_ENCODINGS}
+    assert_differ_only_in_position(models)
+    sizes = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
+    assert sizes["sinusoidal"] == sizes["alibi"] == sizes["rotary"] == sizes["nope"]
+    # the trap: stock transformer_lm, given the same flags and built as fairseq-train builds it (its
+    # dataclass defaults filled in), keeps 512-wide input and output embeddings and post-LayerNorm
+    args = options.parse_args_and_arch(options.get_training_parser(),
+                                       ["data", "--task", "language_modeling", "--arch", "transformer_lm", *flags])
+    stock = fairseq_models.build_model(convert_namespace_to_omegaconf(args).model, task)
+    assert isinstance(stock, TransformerLanguageModel) and stock.decoder.embed_tokens.embedding_dim == 512
+    assert sum(p.numel() for p in stock.parameters()) > 3 * sizes["sinusoidal"]
+    assert not stock.decoder.layers[0].normalize_before
+
+
+@pytest.mark.slow
+def test_wikitext_103_models_differ_only_in_position():
+    """ALiBi's 16-layer, 1024-wide model with adaptive input and softmax (cutoffs 20000, 60000)."""
+    task = DictionaryTask(61000)
+    models = {name: build(name, "_wiki103", [], task) for name in ("sinusoidal", "nope", "alibi", "kerple_log", "rotary")}
+    signatures = {name: signature(model) for name, model in models.items()}
+    for name, sig in signatures.items():
+        assert sig == signatures["alibi"], name
+    assert all(sig["normalize_before"] == [True] * 16 for sig in signatures.values())
