@@ -246,3 +246,30 @@ def test_evaluation_time_window_equals_stock_eval_lm_with_the_override(trained, 
 def test_evaluation_time_window_needs_a_plugin_model(trained, data_bin):
     proc, _ = kerple_eval_lm(data_bin, ckpt(trained, "sinusoidal"), "--attn-window", "32", check=False)
     one_line_error(proc, "--attn-window needs a kerple_fairseq model")
+
+
+def test_per_token_file_holds_every_scored_token(trained, data_bin, tmp_path):
+    from kerple_fairseq.analysis.significance import compare
+    from kerple_fairseq.evaluation import per_token
+
+    files = {}
+    for name in ("alibi", "kerple_log"):
+        files[name] = tmp_path / f"{name}.npz"
+        _, records = kerple_eval_lm(data_bin, ckpt(trained, name), "--protocol", "all", "--lengths", "64", "200",
+                                    "--num-targets", "50", "--per-token", files[name], tmp=tmp_path)
+        loaded = per_token.load(str(files[name]))
+        assert loaded.split == "valid" and set(loaded.scored) == {(r["protocol"], r["length"]) for r in records}
+        for r in records:
+            s = loaded.scored[(r["protocol"], r["length"])]
+            assert s.log_prob.size == r["num_tokens"]
+            assert 2.0 ** (-s.log_prob.astype("float64").mean() / math.log(2)) == pytest.approx(r["ppl"], rel=1e-9)
+            if r["protocol"] == "early-token-cursed":
+                assert (s.target == range(s.target.size)).all() and (s.position == s.target % r["length"]).all()
+                assert (s.span == s.target // r["length"]).all()
+            else:
+                # the target follows its L - 1 tokens of context: the last of L - 1 inputs
+                assert (s.position == r["length"] - 2).all() and (s.span == range(50)).all()
+    scored = [per_token.load(str(files[n])).scored[("last-token", 200)] for n in ("alibi", "kerple_log")]
+    c = compare("last-token", 200, ["alibi", "kerple_log"], scored, samples=200)
+    low, high = c.difference_interval[0]
+    assert low <= c.difference[0] <= high and c.num_units == 50

@@ -4,9 +4,11 @@
     kerple-analyze effective-length --path A.pt B.pt [--max-distance 20480] [--threshold -2]
     kerple-analyze position-wise    DATA --path A.pt B.pt --length 2048 [--windowed-reference]
     kerple-analyze receptive-field  DATA --path A.pt B.pt --length 2048 [--num-segments 32] [--mass 0.99]
+    kerple-analyze compare          --path A.npz B.npz [--protocol P] [--lengths L ...] [--samples 1000]
 
 Each writes ``<out>/<analysis>.csv`` (and ``receptive-field.json``) and, with matplotlib
-installed (the ``plots`` extra), ``<out>/<analysis>.png``.
+installed (the ``plots`` extra), ``<out>/<analysis>.png``; ``compare`` reads the files of
+``kerple-eval-lm --per-token`` (no model is run) and writes ``<out>/compare.json``.
 """
 
 import argparse
@@ -20,13 +22,15 @@ import numpy as np
 import torch
 
 import kerple_fairseq  # noqa: F401  (registers the plugin's models before checkpoints are loaded)
-from kerple_fairseq.analysis import figures
+from kerple_fairseq.analysis import figures, significance
 from kerple_fairseq.analysis.kernel_curves import effective_lengths, heads_within, load_kernel
 from kerple_fairseq.analysis.position_wise import binned_perplexity, position_wise_loss
 from kerple_fairseq.analysis.receptive_field import receptive_field, theoretical_receptive_field
 from kerple_fairseq.errors import KernelConfigError, UsageError
+from kerple_fairseq.evaluation import per_token
 from kerple_fairseq.evaluation.cli import positive_int
 from kerple_fairseq.evaluation.loading import length_limit, load_language_model, token_stream
+from kerple_fairseq.evaluation.spans import PROTOCOLS
 
 PROG = "kerple-analyze"
 
@@ -74,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
                            help="segments averaged, evenly spread over the split (default: 32)")
     receptive.add_argument("--mass", type=float, default=0.99,
                            help="ERF = fewest most recent tokens holding more than this share (default: 0.99)")
+    compare = sub.add_parser("compare", help="perplexity differences to the first model, with paired-bootstrap "
+                             "confidence intervals, from kerple-eval-lm --per-token files")
+    compare.add_argument("--path", nargs="+", required=True, metavar="FILE",
+                         help="kerple-eval-lm --per-token files of one split; the first is the baseline")
+    compare.add_argument("--labels", nargs="+", metavar="LABEL",
+                         help="one name per file (default: each file's directory name)")
+    compare.add_argument("--out", default="analysis", metavar="DIR", help="directory for compare.json (default: analysis)")
+    compare.add_argument("--protocol", choices=PROTOCOLS, help="only this protocol (default: all the files share)")
+    compare.add_argument("--lengths", type=positive_int, nargs="+", metavar="L",
+                         help="only these lengths (default: all the files share)")
+    compare.add_argument("--samples", type=positive_int, default=1000, help="bootstrap samples (default: 1000)")
+    compare.add_argument("--seed", type=int, default=1, help="seed of the bootstrap draws (default: 1)")
+    compare.add_argument("--confidence", type=float, default=0.95, help="interval level (default: 0.95)")
     return parser
 
 
@@ -88,6 +105,8 @@ def check_arguments(args) -> List[str]:
         raise UsageError(f"--labels gives {len(labels)} names for {len(args.path)} checkpoints")
     if len(set(labels)) != len(labels):
         raise UsageError("--labels must be distinct")
+    if args.analysis == "compare" and not 0 < args.confidence < 1:
+        raise UsageError(f"--confidence must be between 0 and 1, got {args.confidence}")
     if args.analysis == "receptive-field" and not 0 < args.mass < 1:
         raise UsageError(f"--mass must be between 0 and 1, got {args.mass}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -237,11 +256,35 @@ def analyse_receptive_field(args, labels, out: str) -> None:
     draw(lambda: figures.receptive_field(series, args.mass, png), png)
 
 
+def analyse_compare(args, labels, out: str) -> None:
+    files = [per_token.load(p) for p in args.path]
+    for label, f in zip(labels[1:], files[1:]):
+        if (f.split, f.fingerprint) != (files[0].split, files[0].fingerprint):
+            raise UsageError(f"{label} scored split {f.split!r} ({f.fingerprint}) and {labels[0]} split "
+                             f"{files[0].split!r} ({files[0].fingerprint}): compare files of the same split")
+    shared = set.intersection(*(set(f.scored) for f in files))
+    chosen = sorted((k for k in shared if (args.protocol is None or k[0] == args.protocol)
+                     and (args.lengths is None or k[1] in args.lengths)),
+                    key=lambda k: (PROTOCOLS.index(k[0]), k[1]))
+    if not chosen:
+        raise UsageError("the files share no protocol and length" + ("" if args.protocol is None and
+                         args.lengths is None else " among those asked for"))
+    results = []
+    for protocol, length in chosen:
+        c = significance.compare(protocol, length, labels, [f.scored[(protocol, length)] for f in files],
+                                 args.samples, args.seed, args.confidence)
+        print(significance.format_comparison(c))
+        results.append(c.as_dict())
+    write_json(os.path.join(out, "compare.json"), results)
+    print(f"{PROG}: wrote {os.path.join(out, 'compare.json')}", file=sys.stderr)
+
+
 ANALYSES = {
     "kernels": analyse_kernels,
     "effective-length": analyse_effective_length,
     "position-wise": analyse_position_wise,
     "receptive-field": analyse_receptive_field,
+    "compare": analyse_compare,
 }
 
 

@@ -3,7 +3,7 @@
 fairseq-eval-lm's options (positional data dir, ``--path``, ``--gen-subset``,
 ``--max-tokens``, ``--cpu``, ``--fp16``, ``--model-overrides``, ``--context-window``)
 plus ``--protocol``, ``--lengths``, ``--num-targets``, ``--results-json``,
-``--position-wise`` and ``--attn-window``. The plugin is loaded by this command, so ``--user-dir`` is
+``--position-wise``, ``--per-token`` and ``--attn-window``. The plugin is loaded by this command, so ``--user-dir`` is
 only needed for other plugins.
 """
 
@@ -24,6 +24,8 @@ from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation import spans as S
 from kerple_fairseq.evaluation.loading import (check_checkpoint, check_data_bin, length_limit, load_language_model,
                                                token_stream)
+from kerple_fairseq.evaluation.per_token import TokenScores, stream_fingerprint
+from kerple_fairseq.evaluation.per_token import save as save_per_token
 from kerple_fairseq.evaluation.scorer import WindowScorer, loss_by_position
 
 PROG = "kerple-eval-lm"
@@ -55,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--position-wise", metavar="FILE",
                        help="write a CSV of the mean base-2 loss at each position 0..L-1 of the "
                        "early-token-cursed blocks (length, position, loss, count)")
+    group.add_argument("--per-token", metavar="FILE",
+                       help="write every scored token's log-probability, with its stream position, span and "
+                       "position in the span, for every protocol and length (.npz), for kerple-analyze compare")
     group.add_argument("--attn-window", type=positive_int, default=None, metavar="W",
                        help="evaluate with attention restricted to the W most recent keys, whatever the "
                        "model was trained with (KERPLE's 'windowed@W'; rotary + W: the super-baseline); "
@@ -127,7 +132,8 @@ def check_arguments(args, cfg) -> None:
     if cfg.task.sample_break_mode != "none" or cfg.task.add_bos_token:
         raise UsageError("the protocols score fairseq's unbroken token stream: leave --sample-break-mode "
                         "at none and --add-bos-token off")
-    for flag, path in (("--results-json", args.results_json), ("--position-wise", args.position_wise)):
+    for flag, path in (("--results-json", args.results_json), ("--position-wise", args.position_wise),
+                       ("--per-token", args.per_token)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise UsageError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
     if args.position_wise and "early-token-cursed" not in protocols_to_run(args):
@@ -165,7 +171,7 @@ def evaluate(args, cfg) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from e
 
-    records, positions, failed = [], [], []
+    records, positions, failed, per_token = [], [], [], {}
     for length in lengths:
         if limit is not None and length > limit:
             print(f"{PROG}: error: length {length} exceeds the {limit} learned positional embeddings of "
@@ -182,6 +188,8 @@ def evaluate(args, cfg) -> int:
                 spans = S.last_token(targets, length)
             scores = scorer.score(spans, description=f"{protocol} L={length}")
             records.append(summarise(protocol, length, scores))
+            if args.per_token:
+                per_token[(protocol, length)] = TokenScores.from_spans(spans, scores)
             if protocol == "early-token-cursed" and args.position_wise:
                 positions.extend(position_wise_rows(length, scores))
             print(format_table(records[-1:]).splitlines()[1], file=sys.stderr, flush=True)
@@ -190,6 +198,8 @@ def evaluate(args, cfg) -> int:
     if args.results_json:
         with open(args.results_json, "w") as f:
             json.dump(records, f, indent=1)
+    if args.per_token:
+        save_per_token(args.per_token, cfg.dataset.gen_subset, stream_fingerprint(stream), per_token)
     if args.position_wise:
         with open(args.position_wise, "w", newline="") as f:
             writer = csv.writer(f)

@@ -1,0 +1,113 @@
+"""Is a perplexity difference more than noise? A paired bootstrap over the units scored together.
+
+Models evaluated on the same split under the same protocol and length scored the same tokens in the
+same spans. The spans are the units: a block of the early-token-cursed or sliding protocol (its
+tokens share context, so they are not independent), a target of the last-token protocol. One
+bootstrap sample draws ``U`` of the ``U`` units with replacement, the same draw for every model,
+and recomputes each model's perplexity ``exp(sum of losses / number of tokens)`` on it. The
+percentile interval of the differences to the first model over the samples is the confidence
+interval, and the share of samples whose difference has the other sign (or none) is how often the
+ordering flips.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+import numpy as np
+
+from kerple_fairseq.errors import UsageError
+from kerple_fairseq.evaluation.per_token import TokenScores
+
+MAX_DRAWS_AT_ONCE = 4_000_000  # unit indices drawn per chunk of samples (bounds memory)
+
+
+def unit_losses(scores: TokenScores, num_units: int) -> np.ndarray:
+    """``[units]`` float64: each span's summed natural-log loss."""
+    return np.bincount(scores.span, weights=-scores.log_prob.astype(np.float64), minlength=num_units)
+
+
+def bootstrap_perplexities(losses: np.ndarray, counts: np.ndarray, samples: int, seed: int) -> np.ndarray:
+    """``[samples, models]`` perplexities of ``losses`` (``[models, units]`` summed losses, ``counts``
+    tokens per unit) on ``samples`` paired resamples of the units."""
+    rng = np.random.default_rng(seed)
+    num_units = counts.size
+    chunk = max(1, MAX_DRAWS_AT_ONCE // num_units)
+    out = []
+    for first in range(0, samples, chunk):
+        draws = rng.integers(0, num_units, size=(min(chunk, samples - first), num_units))
+        tokens = counts[draws].sum(axis=1)  # [chunk]
+        totals = losses[:, draws].sum(axis=2)  # [models, chunk]
+        out.append(np.exp(totals / tokens).T)
+    return np.concatenate(out)
+
+
+@dataclass
+class Comparison:
+    """Each model against the first (``baseline``) at one protocol and length."""
+
+    protocol: str
+    length: int
+    labels: List[str]
+    perplexities: List[float]
+    num_tokens: int
+    num_units: int
+    samples: int
+    confidence: float
+    difference: List[float]  # ppl - the first model's
+    difference_interval: List[List[float]]
+    ratio: List[float]  # ppl / the first model's
+    ratio_interval: List[List[float]]
+    ordering_flips: List[float]  # share of samples whose difference has another sign
+
+    def as_dict(self) -> Dict:
+        return dict(self.__dict__)
+
+
+def check_same_tokens(protocol: str, length: int, labels: Sequence[str], scored: Sequence[TokenScores]) -> None:
+    first = scored[0]
+    for label, s in zip(labels[1:], scored[1:]):
+        if not (np.array_equal(s.target, first.target) and np.array_equal(s.span, first.span)):
+            raise UsageError(f"{label} and {labels[0]} scored different tokens under {protocol} at length "
+                             f"{length}; compare files of the same split, protocol, length and --num-targets")
+
+
+def compare(protocol: str, length: int, labels: Sequence[str], scored: Sequence[TokenScores],
+            samples: int = 1000, seed: int = 1, confidence: float = 0.95) -> Comparison:
+    """The paired bootstrap of ``scored`` (one per model, the first the baseline)."""
+    if len(scored) < 2:
+        raise UsageError("compare needs at least two models")
+    if not 0 < confidence < 1:
+        raise UsageError(f"the confidence level must be between 0 and 1, got {confidence}")
+    check_same_tokens(protocol, length, labels, scored)
+    num_units = int(scored[0].span.max()) + 1
+    counts = np.bincount(scored[0].span, minlength=num_units)
+    losses = np.stack([unit_losses(s, num_units) for s in scored])  # [models, units]
+    observed = np.exp(losses.sum(axis=1) / counts.sum())
+    boot = bootstrap_perplexities(losses, counts, samples, seed)
+    tails = [100 * (1 - confidence) / 2, 100 * (1 + confidence) / 2]
+    difference, ratio = boot[:, 1:] - boot[:, :1], boot[:, 1:] / boot[:, :1]
+    observed_difference = observed[1:] - observed[0]
+    flips = (np.sign(difference) != np.sign(observed_difference)).mean(axis=0)
+    return Comparison(
+        protocol=protocol, length=length, labels=list(labels), perplexities=observed.tolist(),
+        num_tokens=int(counts.sum()), num_units=num_units, samples=samples, confidence=confidence,
+        difference=observed_difference.tolist(),
+        difference_interval=np.percentile(difference, tails, axis=0).T.tolist(),
+        ratio=(observed[1:] / observed[0]).tolist(),
+        ratio_interval=np.percentile(ratio, tails, axis=0).T.tolist(),
+        ordering_flips=flips.tolist(),
+    )
+
+
+def format_comparison(c: Comparison) -> str:
+    level = f"{100 * c.confidence:g}%"
+    lines = [f"{c.protocol} L={c.length}: {c.num_tokens} tokens in {c.num_units} units, paired bootstrap of "
+             f"{c.samples} samples",
+             f"  {'model':<24} {'ppl':>9} {'- ' + c.labels[0]:>12} {level + ' interval':>22} {'ratio':>7} "
+             f"{'flips':>6}",
+             f"  {c.labels[0]:<24} {c.perplexities[0]:>9.3f}"]
+    for k, label in enumerate(c.labels[1:]):
+        low, high = c.difference_interval[k]
+        lines.append(f"  {label:<24} {c.perplexities[k + 1]:>9.3f} {c.difference[k]:>+12.3f} "
+                     f"{f'[{low:+.3f}, {high:+.3f}]':>22} {c.ratio[k]:>7.4f} {c.ordering_flips[k]:>6.3f}")
+    return "\n".join(lines)
