@@ -311,3 +311,35 @@ def test_bad_input(trained, data_bin, tmp_path, capsys):
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kerple-analyze: error:")]
         assert len(errors) == 1 and expected in errors[0], (args, errors)
         assert not out.exists(), "nothing written on bad input"
+
+
+def test_extrapolation_draws_each_models_results_files(tmp_path, capsys):
+    """Perplexity against length from --results-json files, no model run: the CSV holds exactly the
+    files' numbers, the figure is a real PNG, and the training length comes from the records."""
+    from kerple_fairseq.analysis.cli import cli_main
+
+    files = {}
+    for label, base in (("A", 100.0), ("B", 90.0)):
+        records = [{"protocol": p, "length": n, "ppl": base + k + (20 if p == "last-token" else 0), "loss": 0.0,
+                    "num_tokens": 1, "train_length": 128}
+                   for p in ("early-token-cursed", "last-token") for k, n in enumerate([128, 512, 2048])]
+        files[label] = tmp_path / label / "results.json"
+        files[label].parent.mkdir()
+        files[label].write_text(json.dumps(records))
+    out = tmp_path / "out"
+    cli_main(["extrapolation", "--path", *map(str, files.values()), "--out", str(out)])  # labels: directory names
+    rows = list(csv.DictReader(open(out / "extrapolation.csv")))
+    assert len(rows) == 12
+    for label, path in files.items():
+        for r in json.loads(path.read_text()):
+            row = next(x for x in rows if (x["model"], x["protocol"], int(x["length"])) == (label, r["protocol"], r["length"]))
+            assert float(row["ppl"]) == r["ppl"]
+    image = Image.open(out / "extrapolation.png")
+    assert image.format == "PNG" and image.size[0] > 2 * image.size[1]  # two panels side by side
+    assert "A: early-token-cursed L=128 100.00, L=512 101.00, L=2048 102.00" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        cli_main(["extrapolation", "--path", str(files["A"]), str(tmp_path / "bad.json"), "--out", str(tmp_path / "o2")])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kerple-analyze: error:")]
+    assert len(errors) == 1 and "is not a kerple-eval-lm --results-json file" in errors[0]
+    assert not (tmp_path / "o2").exists()

@@ -261,7 +261,7 @@ def test_per_token_file_holds_every_scored_token(trained, data_bin, tmp_path):
         assert loaded.split == "valid" and set(loaded.scored) == {(r["protocol"], r["length"]) for r in records}
         for r in records:
             s = loaded.scored[(r["protocol"], r["length"])]
-            assert s.log_prob.size == r["num_tokens"]
+            assert s.log_prob.size == r["num_tokens"] and r["train_length"] == 64
             assert 2.0 ** (-s.log_prob.astype("float64").mean() / math.log(2)) == pytest.approx(r["ppl"], rel=1e-9)
             if r["protocol"] == "early-token-cursed":
                 assert (s.target == range(s.target.size)).all() and (s.position == s.target % r["length"]).all()

@@ -5,10 +5,12 @@
     kerple-analyze position-wise    DATA --path A.pt B.pt --length 2048 [--windowed-reference]
     kerple-analyze receptive-field  DATA --path A.pt B.pt --length 2048 [--num-segments 32] [--mass 0.99]
     kerple-analyze compare          --path A.npz B.npz [--protocol P] [--lengths L ...] [--samples 1000]
+    kerple-analyze extrapolation    --path A.json B.json [--train-length L]
 
 Each writes ``<out>/<analysis>.csv`` (and ``receptive-field.json``) and, with matplotlib
 installed (the ``plots`` extra), ``<out>/<analysis>.png``; ``compare`` reads the files of
-``kerple-eval-lm --per-token`` (no model is run) and writes ``<out>/compare.json``.
+``kerple-eval-lm --per-token`` and writes ``<out>/compare.json``, ``extrapolation`` reads those of
+``--results-json``: neither runs a model.
 """
 
 import argparse
@@ -91,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--samples", type=positive_int, default=1000, help="bootstrap samples (default: 1000)")
     compare.add_argument("--seed", type=int, default=1, help="seed of the bootstrap draws (default: 1)")
     compare.add_argument("--confidence", type=float, default=0.95, help="interval level (default: 0.95)")
+    extrapolation = sub.add_parser("extrapolation", help="perplexity against evaluation length, one line per model "
+                                   "and a panel per protocol, from kerple-eval-lm --results-json files")
+    extrapolation.add_argument("--path", nargs="+", required=True, metavar="FILE",
+                               help="kerple-eval-lm --results-json files, one per model")
+    extrapolation.add_argument("--labels", nargs="+", metavar="LABEL",
+                               help="one name per file (default: each file's directory name)")
+    extrapolation.add_argument("--out", default="analysis", metavar="DIR",
+                               help="directory for extrapolation.csv and .png (default: analysis)")
+    extrapolation.add_argument("--train-length", type=positive_int, metavar="L",
+                               help="the training length to mark (default: the one each file records)")
     return parser
 
 
@@ -279,12 +291,47 @@ def analyse_compare(args, labels, out: str) -> None:
     print(f"{PROG}: wrote {os.path.join(out, 'compare.json')}", file=sys.stderr)
 
 
+def read_results(path: str) -> List[dict]:
+    """The records of a ``kerple-eval-lm --results-json`` file."""
+    try:
+        with open(path) as f:
+            records = json.load(f)
+        if not isinstance(records, list) or not all({"protocol", "length", "ppl"} <= set(r) for r in records):
+            raise ValueError("not a list of protocol, length and ppl records")
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except (OSError, ValueError, TypeError) as e:
+        raise UsageError(f"{path} is not a kerple-eval-lm --results-json file ({e})") from None
+    if not records:
+        raise UsageError(f"{path} holds no results")
+    return records
+
+
+def analyse_extrapolation(args, labels, out: str) -> None:
+    results = {label: read_results(path) for label, path in zip(labels, args.path)}
+    train_lengths = [args.train_length] if args.train_length else sorted(
+        {r["train_length"] for records in results.values() for r in records if r.get("train_length")})
+    protocols = [p for p in PROTOCOLS if any(r["protocol"] == p for records in results.values() for r in records)]
+    rows, series = [], []
+    for label, records in results.items():
+        for protocol in protocols:
+            points = sorted((r["length"], r["ppl"]) for r in records if r["protocol"] == protocol)
+            if points:
+                series.append((label, protocol, [n for n, _ in points], [p for _, p in points]))
+                rows.extend((label, protocol, n, repr(p)) for n, p in points)
+                print(f"{label}: {protocol} " + ", ".join(f"L={n} {p:.2f}" for n, p in points))
+    write_csv(os.path.join(out, "extrapolation.csv"), ["model", "protocol", "length", "ppl"], rows)
+    png = os.path.join(out, "extrapolation.png")
+    draw(lambda: figures.extrapolation(series, protocols, train_lengths, png), png)
+
+
 ANALYSES = {
     "kernels": analyse_kernels,
     "effective-length": analyse_effective_length,
     "position-wise": analyse_position_wise,
     "receptive-field": analyse_receptive_field,
     "compare": analyse_compare,
+    "extrapolation": analyse_extrapolation,
 }
 
 

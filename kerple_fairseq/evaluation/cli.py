@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="targets of the last-token protocol: evenly spaced over the split, "
                        "each with max(lengths)-1 tokens before it")
     group.add_argument("--results-json", metavar="FILE",
-                       help="write [{protocol, length, ppl, loss, num_tokens}] (loss in base 2, ppl = 2**loss)")
+                       help="write [{protocol, length, ppl, loss, num_tokens, train_length}] (loss in base 2, "
+                       "ppl = 2**loss; train_length: the checkpoint's --tokens-per-sample)")
     group.add_argument("--position-wise", metavar="FILE",
                        help="write a CSV of the mean base-2 loss at each position 0..L-1 of the "
                        "early-token-cursed blocks (length, position, loss, count)")
@@ -101,9 +102,9 @@ def load_model(cfg, attn_window=None):
         overrides = eval(cfg.common_eval.model_overrides)
     except Exception as e:
         raise UsageError(f"--model-overrides must be a Python dict literal: {e}") from e
-    model, task, _ = load_language_model(cfg.common_eval.path, cfg.task.data, overrides,
-                                         tasks.setup_task(cfg.task), attn_window)
-    return model, task
+    model, task, saved = load_language_model(cfg.common_eval.path, cfg.task.data, overrides,
+                                             tasks.setup_task(cfg.task), attn_window)
+    return model, task, saved.task.tokens_per_sample
 
 
 def summarise(protocol: str, length: int, scores: List[np.ndarray]) -> Dict:
@@ -143,7 +144,7 @@ def check_arguments(args, cfg) -> None:
 
 def evaluate(args, cfg) -> int:
     check_arguments(args, cfg)
-    model, task = load_model(cfg, args.attn_window)
+    model, task, train_length = load_model(cfg, args.attn_window)
     use_cuda = torch.cuda.is_available() and not cfg.common.cpu
     if cfg.common.fp16:
         model.half()
@@ -187,7 +188,7 @@ def evaluate(args, cfg) -> int:
             else:
                 spans = S.last_token(targets, length)
             scores = scorer.score(spans, description=f"{protocol} L={length}")
-            records.append(summarise(protocol, length, scores))
+            records.append({**summarise(protocol, length, scores), "train_length": train_length})
             if args.per_token:
                 per_token[(protocol, length)] = TokenScores.from_spans(spans, scores)
             if protocol == "early-token-cursed" and args.position_wise:
