@@ -1,13 +1,14 @@
 #!/usr/bin/env python
-"""The small offline ALiBi vs KERPLE-log run: preprocess, train two tiny models, evaluate, tabulate.
+"""The small offline comparison of position encodings: preprocess, train small models, evaluate, tabulate.
 
 Reads WikiText-103 ``wiki.{train,valid,test}.tokens`` from ``--wikitext-dir`` (or the
-``WIKITEXT103_DIR`` variable), preprocesses them into ``data-bin/``, trains
-``transformer_lm_alibi`` and ``transformer_lm_kerple`` with identical settings on CPU,
-scores the validation split with ``kerple-eval-lm`` under the early-token-cursed and
-last-token protocols at several lengths, prints a perplexity table (also written as
-markdown and JSON), and ends with ``kerple-analyze``'s figures of both models: kernel
-curves, effective lengths, position-wise perplexity and receptive field.
+``WIKITEXT103_DIR`` variable), preprocesses them into ``data-bin/``, trains the ``--models``
+(by default sinusoidal positions, ALiBi and KERPLE-log) with identical settings on CPU, scores
+the validation split with ``kerple-eval-lm`` under the early-token-cursed and last-token
+protocols at several lengths, prints a perplexity table (also written as markdown and JSON),
+and ends with ``kerple-analyze``'s figures: perplexity against length, paired-bootstrap
+intervals of each difference to the first model, kernel curves, effective lengths,
+position-wise perplexity and receptive field.
 """
 
 import argparse
@@ -21,7 +22,7 @@ sys.path.insert(0, str(REPO))  # this checkout's kerple_fairseq
 logging.getLogger().addHandler(logging.NullHandler())  # keeps fairseq's import-time logging set-up off stderr
 
 from kerple_fairseq.experiments.comparison import CommandFailed  # noqa: E402
-from kerple_fairseq.experiments.small_comparison import KERNEL_ARCHS, compare  # noqa: E402
+from kerple_fairseq.experiments.small_comparison import DEFAULT_MODELS, MODELS, compare  # noqa: E402
 from kerple_fairseq.kernels.constraints import PARAMETERIZATIONS  # noqa: E402
 from kerple_fairseq.experiments.wikitext103 import PrepareError, missing_token_files  # noqa: E402
 
@@ -54,8 +55,9 @@ def parse_args():
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--kernels", nargs="+", choices=list(KERNEL_ARCHS), default=list(KERNEL_ARCHS),
-                   help="the models to train (default: both)")
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=DEFAULT_MODELS,
+                   help=f"the models to train, alike but for their position encoding (default: {' '.join(DEFAULT_MODELS)}); "
+                   "the first is the baseline of the paired comparison")
     p.add_argument("--kernel-parameterization", choices=PARAMETERIZATIONS, default="clamp",
                    help="how KERPLE-log's parameters stay positive: clamp (KERPLE's reference, default) or softplus")
     return p.parse_args()

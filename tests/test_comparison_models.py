@@ -8,6 +8,7 @@ from fairseq import models as fairseq_models, options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.models.transformer_lm import TransformerLanguageModel
 
+from kerple_fairseq.experiments import small_comparison
 from kerple_fairseq.experiments.language_models import DictionaryTask, build_model, model_size_flags, parse_model_flags
 
 #: every way the plugin encodes position, by name: its flags
@@ -60,6 +61,9 @@ def assert_differ_only_in_position(models):
 
 
 def test_small_comparison_models_differ_only_in_position():
+    for name, flags in small_comparison.MODELS.items():  # the comparison's models are among those checked here
+        assert [f.format(size="") for f in POSITION_ENCODINGS[name]] == flags, name
+    assert set(small_comparison.DEFAULT_MODELS) <= set(small_comparison.MODELS)
     flags = model_size_flags(layers=2, width=128, heads=4, dropout=0.1)
     task = DictionaryTask(8000)
     torch.manual_seed(0)
