@@ -76,6 +76,8 @@ def main():
     missing = missing_token_files(tokens_dir)
     if missing:
         fail(f"{tokens_dir} lacks {', '.join(missing)}; " + NO_DATA.split(": ", 1)[1])
+    if len(set(args.models)) != len(args.models):
+        fail("--models names a model twice")
     if any(n <= 0 for n in [args.train_length, args.updates, args.num_targets, args.num_segments, *args.eval_lengths]):
         fail("--train-length, --updates, --num-targets, --num-segments and --eval-lengths must be positive")
     try:
