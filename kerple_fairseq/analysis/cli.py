@@ -37,17 +37,24 @@ from kerple_fairseq.evaluation.spans import PROTOCOLS
 PROG = "kerple-analyze"
 
 
+def inputs(kind: str, path_help: str, writes: str) -> argparse.ArgumentParser:
+    """The options every analysis takes: its inputs (``--path``, each a ``kind``), their ``--labels``,
+    and the ``--out`` directory of what it ``writes``."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--path", nargs="+", required=True, metavar=kind.upper(), help=path_help)
+    parser.add_argument("--labels", nargs="+", metavar="LABEL",
+                        help=f"one name per {kind} (default: each {kind}'s directory name)")
+    parser.add_argument("--out", default="analysis", metavar="DIR",
+                        help=f"directory for {writes} (default: analysis)")
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
-    checkpoints = argparse.ArgumentParser(add_help=False)
-    checkpoints.add_argument("--path", nargs="+", required=True, metavar="CHECKPOINT",
-                             help="fairseq checkpoints, drawn side by side")
-    checkpoints.add_argument("--labels", nargs="+", metavar="LABEL",
-                             help="one name per checkpoint (default: each checkpoint's directory name)")
-    checkpoints.add_argument("--out", default="analysis", metavar="DIR",
-                             help="directory for the figures and numbers (created when they are written; default: analysis)")
+    checkpoints = inputs("checkpoint", "fairseq checkpoints, drawn side by side",
+                         "the figures and numbers (created when they are written)")
     data = argparse.ArgumentParser(add_help=False)
     data.add_argument("data", help="the fairseq data-bin the models were trained with")
     data.add_argument("--gen-subset", default="valid", metavar="SPLIT", help="split to analyse (default: valid)")
@@ -80,27 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
                            help="segments averaged, evenly spread over the split (default: 32)")
     receptive.add_argument("--mass", type=float, default=0.99,
                            help="ERF = fewest most recent tokens holding more than this share (default: 0.99)")
-    compare = sub.add_parser("compare", help="perplexity differences to the first model, with paired-bootstrap "
+    per_token_files = inputs("file", "kerple-eval-lm --per-token files of one split; the first is the baseline",
+                             "compare.json")
+    compare = sub.add_parser("compare", parents=[per_token_files],
+                             help="perplexity differences to the first model, with paired-bootstrap "
                              "confidence intervals, from kerple-eval-lm --per-token files")
-    compare.add_argument("--path", nargs="+", required=True, metavar="FILE",
-                         help="kerple-eval-lm --per-token files of one split; the first is the baseline")
-    compare.add_argument("--labels", nargs="+", metavar="LABEL",
-                         help="one name per file (default: each file's directory name)")
-    compare.add_argument("--out", default="analysis", metavar="DIR", help="directory for compare.json (default: analysis)")
     compare.add_argument("--protocol", choices=PROTOCOLS, help="only this protocol (default: all the files share)")
     compare.add_argument("--lengths", type=positive_int, nargs="+", metavar="L",
                          help="only these lengths (default: all the files share)")
     compare.add_argument("--samples", type=positive_int, default=1000, help="bootstrap samples (default: 1000)")
     compare.add_argument("--seed", type=int, default=1, help="seed of the bootstrap draws (default: 1)")
     compare.add_argument("--confidence", type=float, default=0.95, help="interval level (default: 0.95)")
-    extrapolation = sub.add_parser("extrapolation", help="perplexity against evaluation length, one line per model "
+    results_files = inputs("file", "kerple-eval-lm --results-json files, one per model", "extrapolation.csv and .png")
+    extrapolation = sub.add_parser("extrapolation", parents=[results_files],
+                                   help="perplexity against evaluation length, one line per model "
                                    "and a panel per protocol, from kerple-eval-lm --results-json files")
-    extrapolation.add_argument("--path", nargs="+", required=True, metavar="FILE",
-                               help="kerple-eval-lm --results-json files, one per model")
-    extrapolation.add_argument("--labels", nargs="+", metavar="LABEL",
-                               help="one name per file (default: each file's directory name)")
-    extrapolation.add_argument("--out", default="analysis", metavar="DIR",
-                               help="directory for extrapolation.csv and .png (default: analysis)")
     extrapolation.add_argument("--train-length", type=positive_int, metavar="L",
                                help="the training length to mark (default: the one each file records)")
     return parser
