@@ -287,6 +287,8 @@ def test_rotary_matches_complex_rotation_and_depends_on_relative_position_only()
 @pytest.mark.parametrize("arch, flags, message", [
     ("transformer_lm_alibi", ["--rotary-embeddings"], "already encodes position, but rotary embeddings"),
     ("transformer_lm_rotary", ["--token-positional-embeddings"], "two position encodings"),
+    ("transformer_lm_sinusoidal", ["--bias-kernel", "alibi"], "on in the transformer_lm_sinusoidal and "
+     "transformer_lm_learned_pos architectures: train a kernel on transformer_lm_kerple"),
     ("transformer_lm_kerple", ["--bias-kernel", "window"], "needs --attn-window W > 0"),
 ])
 def test_conflicting_position_options_are_clear_errors(arch, flags, message):

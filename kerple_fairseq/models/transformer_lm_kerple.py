@@ -28,7 +28,8 @@ def check_positions(args) -> None:
     if KERNELS[args.bias_kernel].encodes_position and (token_positions or args.rotary_embeddings):
         which = "rotary embeddings" if args.rotary_embeddings else "token positional embeddings"
         flag = "--rotary-embeddings" if args.rotary_embeddings else \
-            "--token-positional-embeddings (or set no_token_positional_embeddings=True)"
+            "--token-positional-embeddings (on in the transformer_lm_sinusoidal and transformer_lm_learned_pos " \
+            "architectures: train a kernel on transformer_lm_kerple)"
         raise KernelConfigError(
             f"--bias-kernel {args.bias_kernel} already encodes position, but {which} are on as "
             f"well; drop {flag}, or use --bias-kernel none (or window) for a positional baseline"
@@ -61,74 +62,33 @@ def _plugin_defaults(args, default_kernel: str, rotary: bool = False, token_posi
     ) or not args.token_positional_embeddings
 
 
-@register_model_architecture(MODEL_NAME, "transformer_lm_kerple")
-def kerple_base_architecture(args):
-    """fairseq's ``transformer_lm`` sizes, KERPLE-log bias, no token positions."""
-    _plugin_defaults(args, "kerple_log")
-    base_lm_architecture(args)
+def register_architectures(name: str, default_kernel: str, encoding: str, **positions):
+    """Register ``transformer_lm_<name>`` (fairseq's ``transformer_lm`` sizes) and
+    ``transformer_lm_<name>_wiki103`` (ALiBi's WikiText-103 model, ``transformer_lm_wiki103``), both
+    with the position ``encoding`` described (``default_kernel`` and ``positions`` for
+    :func:`_plugin_defaults`); returns the first's architecture function."""
+
+    def base(args):
+        _plugin_defaults(args, default_kernel, **positions)
+        base_lm_architecture(args)
+
+    def wiki103(args):
+        _plugin_defaults(args, default_kernel, **positions)
+        transformer_lm_baevski_wiki103(args)
+
+    base.__doc__ = f"fairseq's ``transformer_lm`` sizes, {encoding}."
+    wiki103.__doc__ = f"ALiBi's WikiText-103 model (``transformer_lm_wiki103``), {encoding}."
+    register_model_architecture(MODEL_NAME, f"transformer_lm_{name}")(base)
+    register_model_architecture(MODEL_NAME, f"transformer_lm_{name}_wiki103")(wiki103)
+    return base
 
 
-@register_model_architecture(MODEL_NAME, "transformer_lm_kerple_wiki103")
-def kerple_wiki103_architecture(args):
-    """ALiBi's WikiText-103 model (``transformer_lm_wiki103``), KERPLE-log bias."""
-    _plugin_defaults(args, "kerple_log")
-    transformer_lm_baevski_wiki103(args)
-
-
-@register_model_architecture(MODEL_NAME, "transformer_lm_alibi")
-def alibi_base_architecture(args):
-    """fairseq's ``transformer_lm`` sizes, ALiBi bias, no token positions."""
-    _plugin_defaults(args, "alibi")
-    base_lm_architecture(args)
-
-
-@register_model_architecture(MODEL_NAME, "transformer_lm_alibi_wiki103")
-def alibi_wiki103_architecture(args):
-    """ALiBi's WikiText-103 model (``transformer_lm_wiki103``), ALiBi bias."""
-    _plugin_defaults(args, "alibi")
-    transformer_lm_baevski_wiki103(args)
-
-
-@register_model_architecture(MODEL_NAME, "transformer_lm_rotary")
-def rotary_base_architecture(args):
-    """fairseq's ``transformer_lm`` sizes, rotary positions, no bias (``--attn-window W``: super-baseline)."""
-    _plugin_defaults(args, "none", rotary=True)
-    base_lm_architecture(args)
-
-
-@register_model_architecture(MODEL_NAME, "transformer_lm_rotary_wiki103")
-def rotary_wiki103_architecture(args):
-    """ALiBi's WikiText-103 model (``transformer_lm_wiki103``) with rotary positions, no bias."""
-    _plugin_defaults(args, "none", rotary=True)
-    transformer_lm_baevski_wiki103(args)
-
-
-@register_model_architecture(MODEL_NAME, "transformer_lm_sinusoidal")
-def sinusoidal_base_architecture(args):
-    """fairseq's ``transformer_lm`` sizes, sinusoidal token positions, no bias: the sinusoidal
-    baseline built exactly as the kernel models are (stock ``--arch transformer_lm`` is not: it keeps
-    512-wide embeddings and post-LayerNorm when ``--decoder-embed-dim`` is changed)."""
-    _plugin_defaults(args, "none", token_positions=True)
-    base_lm_architecture(args)
-
-
-@register_model_architecture(MODEL_NAME, "transformer_lm_sinusoidal_wiki103")
-def sinusoidal_wiki103_architecture(args):
-    """ALiBi's WikiText-103 model (``transformer_lm_wiki103``) with sinusoidal token positions, no bias."""
-    _plugin_defaults(args, "none", token_positions=True)
-    transformer_lm_baevski_wiki103(args)
-
-
-@register_model_architecture(MODEL_NAME, "transformer_lm_learned_pos")
-def learned_pos_base_architecture(args):
-    """fairseq's ``transformer_lm`` sizes, learned token positions (one per position up to
-    ``--tokens-per-sample``: no extrapolation), no bias."""
-    _plugin_defaults(args, "none", token_positions=True, learned_positions=True)
-    base_lm_architecture(args)
-
-
-@register_model_architecture(MODEL_NAME, "transformer_lm_learned_pos_wiki103")
-def learned_pos_wiki103_architecture(args):
-    """ALiBi's WikiText-103 model (``transformer_lm_wiki103``) with learned token positions, no bias."""
-    _plugin_defaults(args, "none", token_positions=True, learned_positions=True)
-    transformer_lm_baevski_wiki103(args)
+kerple_base_architecture = register_architectures("kerple", "kerple_log", "KERPLE-log bias, no token positions")
+register_architectures("alibi", "alibi", "ALiBi bias, no token positions")
+register_architectures("rotary", "none", "rotary positions, no bias (``--attn-window W``: the super-baseline)",
+                       rotary=True)
+# the positional baselines built exactly as the kernel models are (stock ``--arch transformer_lm`` is
+# not: it keeps 512-wide embeddings and post-LayerNorm when ``--decoder-embed-dim`` is changed)
+register_architectures("sinusoidal", "none", "sinusoidal token positions, no bias", token_positions=True)
+register_architectures("learned_pos", "none", "learned token positions (one per position up to "
+                       "``--tokens-per-sample``: no extrapolation), no bias", token_positions=True, learned_positions=True)
