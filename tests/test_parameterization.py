@@ -153,7 +153,7 @@ def legacy_model(name):
 @pytest.mark.parametrize("name", ["kerple_log", "kerple_power", "t5"])
 def test_checkpoints_saved_before_the_options_give_the_same_log_probabilities(name):
     """Checkpoints of softplus kernels and of T5's unscaled [heads, buckets] table (see
-    tests/data/legacy-checkpoints/README.md) load in stock fairseq with today's defaults and score
+    tests/data/legacy-checkpoints/README.md) load in stock fairseq with the current defaults and score
     exactly as they did, also after they are saved again and reloaded."""
     model, cfg, task = legacy_model(name)
     saved = torch.load(LEGACY / f"{name}.log-probs.pt", weights_only=False)
@@ -165,7 +165,7 @@ def test_checkpoints_saved_before_the_options_give_the_same_log_probabilities(na
         assert kernel.scale == 1.0 and not kernel.scaled_by_sqrt_head_dim
     else:
         assert kernel.parameterization.name == "clamp"
-    # saved again (today's layout) and loaded into a model built from the same options
+    # saved again (the current layout) and loaded into a model built from the same options
     again = task.build_model(cfg.model).eval()
     again.load_state_dict(model.state_dict())
     with torch.no_grad():
