@@ -22,7 +22,8 @@ sys.path.insert(0, str(REPO))  # this checkout's kerple_fairseq
 logging.getLogger().addHandler(logging.NullHandler())  # keeps fairseq's import-time logging set-up off stderr
 
 from kerple_fairseq.experiments.comparison import CommandFailed  # noqa: E402
-from kerple_fairseq.experiments.small_comparison import DEFAULT_MODELS, MODELS, compare  # noqa: E402
+from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS  # noqa: E402
+from kerple_fairseq.experiments.small_comparison import DEFAULT_MODELS, compare  # noqa: E402
 from kerple_fairseq.kernels.constraints import PARAMETERIZATIONS  # noqa: E402
 from kerple_fairseq.experiments.wikitext103 import PrepareError, missing_token_files  # noqa: E402
 
@@ -54,8 +55,9 @@ def parse_args():
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--models", nargs="+", choices=list(MODELS), default=DEFAULT_MODELS,
+    p.add_argument("--seeds", type=int, nargs="+", default=[1],
+                   help="train every model once per seed (default: 1); compare then reports the spread over seeds")
+    p.add_argument("--models", nargs="+", choices=list(POSITION_ENCODINGS), default=DEFAULT_MODELS,
                    help=f"the models to train, alike but for their position encoding (default: {' '.join(DEFAULT_MODELS)}); "
                    "the first is the baseline of the paired comparison")
     p.add_argument("--kernel-parameterization", choices=PARAMETERIZATIONS, default="clamp",
@@ -78,6 +80,8 @@ def main():
         fail(f"{tokens_dir} lacks {', '.join(missing)}; " + NO_DATA.split(": ", 1)[1])
     if len(set(args.models)) != len(args.models):
         fail("--models names a model twice")
+    if len(set(args.seeds)) != len(args.seeds):
+        fail("--seeds names a seed twice")
     if any(n <= 0 for n in [args.train_length, args.updates, args.num_targets, args.num_segments, *args.eval_lengths]):
         fail("--train-length, --updates, --num-targets, --num-segments and --eval-lengths must be positive")
     try:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train a kernel on WikiText-103 with ALiBi's recipe (KERPLE's Table 10 setting).
+"""Train a model on WikiText-103 with ALiBi's recipe (KERPLE's Table 10 setting).
 
 Uses every GPU of the machine in fp16, with ``--update-freq`` chosen so that any GPU count
 (and any number of nodes) gives the recipe's 8 GPUs x 9216 tokens per update. ``--tiny`` is a
@@ -18,6 +18,7 @@ sys.path.insert(0, str(REPO))  # this checkout's kerple_fairseq
 logging.getLogger().addHandler(logging.NullHandler())  # keeps fairseq's import-time logging set-up off stderr
 
 from kerple_fairseq.experiments import recipe  # noqa: E402
+from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS, position_encoding  # noqa: E402
 from kerple_fairseq.experiments.wikitext103 import PrepareError, require_data_bin  # noqa: E402
 
 PROG = "train-wikitext-103"
@@ -26,10 +27,12 @@ PROG = "train-wikitext-103"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
                                 epilog="Any other option goes to fairseq-train, e.g. --max-update 1000.")
-    p.add_argument("kernel", help="--bias-kernel of the model (alibi, kerple_log, ...)")
+    p.add_argument("model", help=f"a comparison's position encoding ({', '.join(POSITION_ENCODINGS)}) or any "
+                   "--bias-kernel (on transformer_lm_kerple), on ALiBi's WikiText-103 model (the *_wiki103 "
+                   "architectures; with --tiny the small ones)")
     p.add_argument("--data", type=Path, default=REPO / "data-bin" / "wikitext-103",
                    help="the data-bin from prepare-wikitext-103.sh (default: data-bin/wikitext-103)")
-    p.add_argument("--save-dir", type=Path, help="checkpoints (default: checkpoints/wikitext-103/KERNEL-LENGTH)")
+    p.add_argument("--save-dir", type=Path, help="checkpoints (default: checkpoints/wikitext-103/MODEL-LENGTH)")
     p.add_argument("--train-length", type=int, default=512, help="--tokens-per-sample (default 512)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer CPU smoke preset of the same pipeline")
     p.add_argument("--cpu-processes", type=int, default=0,
@@ -52,8 +55,9 @@ def main(argv=None):
     args, extra = parse_args(argv)
     preset = recipe.TINY if args.tiny else recipe.ALIBI_WIKITEXT_103
     try:
+        position_encoding(args.model)
         require_data_bin(args.data)
-    except PrepareError as e:
+    except (ValueError, PrepareError) as e:
         fail(str(e))
     if args.nodes > 1 and not args.master:
         fail("--nodes > 1 needs --master HOST:PORT (node 0's address, the same on every node)")
@@ -66,14 +70,14 @@ def main(argv=None):
     tokens = preset.max_tokens * freq * world
     target = preset.max_tokens * preset.reference_workers
     save_dir = args.save_dir or REPO / "checkpoints" / ("tiny" if args.tiny else "wikitext-103") / \
-        f"{args.kernel}-{args.train_length}"
+        f"{args.model}-{args.train_length}"
     note = "" if tokens == target else f" (the recipe's is {target}: {world} workers do not divide it)"
     print(f"{PROG}: {world} {'GPU' if gpus else 'CPU'} worker(s), --update-freq {freq}: "
           f"{tokens} tokens per update{note}; checkpoints in {save_dir}", file=sys.stderr, flush=True)
     if not gpus and not args.tiny:
         print(f"{PROG}: warning: no GPU: the full recipe on CPU takes months; --tiny is the CPU smoke preset",
               file=sys.stderr)
-    cmd = recipe.base_command(args.data, args.kernel, args.train_length, preset, freq, save_dir)
+    cmd = recipe.base_command(args.data, args.model, args.train_length, preset, freq, save_dir)
     commands = [recipe.gpu_command(cmd, gpus, args.nodes, args.node_rank, args.master, preset.fp16)] if gpus \
         else recipe.cpu_commands(cmd, local_workers, preset.fp16)
     commands = [c + extra for c in commands]  # the user's fairseq-train options last: they win

@@ -343,3 +343,31 @@ def test_extrapolation_draws_each_models_results_files(tmp_path, capsys):
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kerple-analyze: error:")]
     assert len(errors) == 1 and "is not a kerple-eval-lm --results-json file" in errors[0]
     assert not (tmp_path / "o2").exists()
+
+
+def test_extrapolation_draws_the_mean_and_range_of_a_models_runs(tmp_path, capsys):
+    """Results files sharing a label are runs (seeds) of one model: one line at their mean, the CSV
+    with each length's mean, smallest and largest; a length some run lacks is left out."""
+    from kerple_fairseq.analysis.cli import cli_main
+
+    paths, labels = [], []
+    for label, runs in (("A", [[100.0, 104.0], [102.0, 110.0]]), ("B", [[90.0, 91.0], [96.0, 97.0]])):
+        for k, ppl in enumerate(runs):
+            lengths = [128, 512] + ([2048] if k == 0 else [])
+            records = [{"protocol": "early-token-cursed", "length": n, "ppl": p, "train_length": 128}
+                       for n, p in zip(lengths, ppl + [1.0])]
+            paths.append(tmp_path / f"{label}{k}.json")
+            paths[-1].write_text(json.dumps(records))
+            labels.append(label)
+    out = tmp_path / "out"
+    cli_main(["extrapolation", "--path", *map(str, paths), "--labels", *labels, "--out", str(out)])
+    rows = {(r["model"], int(r["length"])): r for r in csv.DictReader(open(out / "extrapolation.csv"))}
+    assert set(rows) == {("A", 128), ("A", 512), ("B", 128), ("B", 512)}
+    assert [float(rows["A", 512][k]) for k in ("ppl", "min", "max", "runs")] == [107.0, 104.0, 110.0, 2]
+    assert [float(rows["B", 128][k]) for k in ("ppl", "min", "max")] == [93.0, 90.0, 96.0]
+    assert "A: early-token-cursed (mean of 2 runs) L=128 101.00, L=512 107.00" in capsys.readouterr().out
+    assert Image.open(out / "extrapolation.png").format == "PNG"
+    with pytest.raises(SystemExit):
+        cli_main(["extrapolation", "--path", *map(str, paths[:3]), "--labels", *labels[:3], "--out", str(tmp_path / "o2")])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kerple-analyze: error:")]
+    assert len(errors) == 1 and "A has 2, B has 1" in errors[0]

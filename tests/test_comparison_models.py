@@ -9,6 +9,7 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq.models.transformer_lm import TransformerLanguageModel
 
 from kerple_fairseq.experiments import small_comparison
+from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS as COMPARED, position_encoding
 from kerple_fairseq.experiments.language_models import DictionaryTask, build_model, model_size_flags, parse_model_flags
 
 #: every way the plugin encodes position, by name: its flags
@@ -60,10 +61,19 @@ def assert_differ_only_in_position(models):
     assert encoded["kerple_log"] == 2 * heads and encoded["t5"] == 32 * heads and encoded["learned"] > 0
 
 
+def test_compared_models_are_among_those_checked_here():
+    """The comparisons' models (small and WikiText-103 alike) are built with the flags checked here."""
+    for name, encoding in COMPARED.items():
+        for size, wiki103 in (("", False), ("_wiki103", True)):
+            assert encoding.model_flags(wiki103) == [f.format(size=size) for f in POSITION_ENCODINGS[name]], name
+    assert set(small_comparison.DEFAULT_MODELS) <= set(COMPARED)
+    assert position_encoding("kerple_power").model_flags(True) == [
+        "--arch", "transformer_lm_kerple_wiki103", "--bias-kernel", "kerple_power"]
+    with pytest.raises(ValueError, match="unknown model 'learned'"):
+        position_encoding("learned")
+
+
 def test_small_comparison_models_differ_only_in_position():
-    for name, flags in small_comparison.MODELS.items():  # the comparison's models are among those checked here
-        assert [f.format(size="") for f in POSITION_ENCODINGS[name]] == flags, name
-    assert set(small_comparison.DEFAULT_MODELS) <= set(small_comparison.MODELS)
     flags = model_size_flags(layers=2, width=128, heads=4, dropout=0.1)
     task = DictionaryTask(8000)
     torch.manual_seed(0)

@@ -1,12 +1,17 @@
-"""scripts/reproduce-wikitext-103.sh end to end with the CPU smoke preset, and its table."""
+"""scripts/reproduce-wikitext-103.sh end to end with the CPU smoke preset (Table 10's pair, and a
+positional baseline over two seeds), and its table."""
 
+import json
+import shlex
 import sys
+
+import torch
 
 import pytest
 
 from kerple_fairseq.experiments.reproduction import table
 
-from conftest import REPO, run
+from conftest import BIN, REPO, run
 
 
 @pytest.mark.slow
@@ -17,7 +22,8 @@ def test_smoke_run_trains_evaluates_and_tabulates_both_kernels(data_bin, tmp_pat
     table = (tmp_path / "results.md").read_text()
     for kernel in ("ALiBi", "KERPLE-log"):
         for protocol in ("early-token-cursed", "last-token"):
-            row = next(line for line in table.splitlines() if line.startswith(f"| {kernel} (this run) | 64 | {protocol} |"))
+            row = next(line for line in table.splitlines()
+                       if line.startswith(f"| {kernel} (this run, seed 1) | 64 | {protocol} |"))
             cells = [c.strip() for c in row.strip("|").split("|")][3:]
             assert len(cells) == 2 and all(float(c) > 1 for c in cells), row
     for kernel in ("alibi", "kerple_log"):
@@ -31,4 +37,27 @@ def test_table_puts_the_published_numbers_beside_ours():
     lines = text.splitlines()
     assert "| KERPLE-log (KERPLE Table 10) | 512 | early-token-cursed | 19.69 | 18.76 | 18.37 | 18.29 | 18.24 |" in lines
     assert "| ALiBi (KERPLE Table 10) | 2048 | early-token-cursed |  |  |  | 17.91 | 17.64 |" in lines
-    assert "| KERPLE-log (this run) | 512 | last-token | 20.51 | 21.02 | 21.54 | 22.05 | 23.07 |" in lines
+    assert "| KERPLE-log (this run, seed 1) | 512 | last-token | 20.51 | 21.02 | 21.54 | 22.05 | 23.07 |" in lines
+
+
+@pytest.mark.slow
+def test_baselines_and_seeds(data_bin, tmp_path):
+    """--models puts a positional baseline on the same architecture as the kernels, --seeds trains each
+    once per seed, and the compare command the script prints reports the spread over the seeds."""
+    proc = run([sys.executable, REPO / "scripts" / "reproduce_wikitext_103.py", "--data", data_bin, "--out", tmp_path,
+                "--tiny", "--models", "sinusoidal", "kerple_log", "--seeds", "1", "2", "--train-lengths", "32",
+                "--eval-lengths", "32", "64", "--num-targets", "10", "--max-update", "2"])
+    for model, arch in (("sinusoidal", "transformer_lm_sinusoidal"), ("kerple_log", "transformer_lm_kerple")):
+        for seed, directory in ((1, f"{model}-32"), (2, f"{model}-32-seed2")):
+            cfg = torch.load(tmp_path / directory / "checkpoint_last.pt", map_location="cpu", weights_only=False)["cfg"]
+            assert (cfg["model"]["_name"], cfg["common"]["seed"], cfg["task"]["tokens_per_sample"]) == (arch, seed, 32)
+            assert (tmp_path / directory / "per-token.npz").is_file()
+    table = (tmp_path / "results.md").read_text()
+    assert "| sinusoidal (this run, seed 2) | 32 | early-token-cursed |" in table
+    command = next(line for line in proc.stdout.splitlines() if "kerple-analyze compare" in line).strip()
+    assert command.endswith(f"--labels sinusoidal sinusoidal kerple_log kerple_log --out {tmp_path / 'compare-32'}")
+    run([BIN / "kerple-analyze", *shlex.split(command)[1:]])
+    result = json.loads((tmp_path / "compare-32" / "compare.json").read_text())
+    assert len(result["comparisons"]) == 2 * 2 * 2  # protocols x lengths x seeds
+    assert {(s["protocol"], s["length"], s["runs"]) for s in result["across_seeds"]} == {
+        (p, n, 2) for p in ("early-token-cursed", "last-token") for n in (32, 64)}

@@ -1,14 +1,15 @@
 """Per-token scores and the paired bootstrap of ``kerple-analyze compare``: the bootstrap against a direct
 computation and its coverage on synthetic losses of known difference, a model against itself, and
-files that scored different tokens."""
+files that scored different tokens; the spread over training runs (seeds) against a direct computation."""
 
 import json
 import math
+import statistics
 
 import numpy as np
 import pytest
 
-from kerple_fairseq.analysis.significance import compare
+from kerple_fairseq.analysis.significance import across_seeds, compare
 from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation import per_token
 from kerple_fairseq.evaluation import spans as S
@@ -118,7 +119,9 @@ def test_compare_command_reads_per_token_files_and_refuses_other_splits(tmp_path
     proc = run([*analyze, "--path", fa, fb, "--labels", "A", "B", "--out", tmp_path / "out", "--samples", "300"])
     assert "early-token-cursed L=8: 320 tokens in 40 units" in proc.stdout
     result = json.loads((tmp_path / "out" / "compare.json").read_text())
-    assert result[0]["labels"] == ["A", "B"] and len(result[0]["difference_interval"]) == 1
+    [comparison] = result["comparisons"]
+    assert comparison["labels"] == ["A", "B"] and len(comparison["difference_interval"]) == 1
+    assert result["across_seeds"] == []
     other = write(tmp_path / "c.scores", "test", "f2", b)
     for bad, message in (([fa, other], "C scored split 'test'"), ([fa, tmp_path / "none.npz"], "no such file"),
                          ([fa, tmp_path / "out" / "compare.json"], "is not a kerple-eval-lm --per-token file")):
@@ -126,3 +129,60 @@ def test_compare_command_reads_per_token_files_and_refuses_other_splits(tmp_path
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode != 0 and last.startswith("kerple-analyze: error:") and message in last
         assert "Traceback" not in proc.stderr
+
+
+def test_spread_over_seeds_matches_a_direct_computation():
+    """Mean and sample standard deviation over runs of each model's perplexity and of its difference to
+    the first model run by run, computed here with the statistics module from each run's own perplexities."""
+    rng = np.random.default_rng(7)
+    runs, a_ppl, b_ppl = [], [], []
+    for k in range(3):
+        a, b = synthetic(rng, 30, 8, 2.0 + 0.05 * k, 0.1 - 0.08 * k)
+        runs.append(compare("last-token", 8, ["a", "b"], [a, b], samples=50, replicate=k + 1))
+        a_ppl.append(math.exp(-math.fsum(a.log_prob.tolist()) / a.log_prob.size))
+        b_ppl.append(math.exp(-math.fsum(b.log_prob.tolist()) / b.log_prob.size))
+    spread = across_seeds(runs)
+    differences = [b - a for a, b in zip(a_ppl, b_ppl)]
+    assert spread.runs == 3 and spread.labels == ["a", "b"]
+    assert spread.mean == pytest.approx([statistics.mean(a_ppl), statistics.mean(b_ppl)], rel=1e-12)
+    assert spread.sd == pytest.approx([statistics.stdev(a_ppl), statistics.stdev(b_ppl)], rel=1e-12)
+    assert spread.difference_mean == pytest.approx([statistics.mean(differences)], rel=1e-12)
+    assert spread.difference_sd == pytest.approx([statistics.stdev(differences)], rel=1e-12)
+    assert spread.difference_range == [[min(differences), max(differences)]]
+    mean_sign = math.copysign(1, statistics.mean(differences))
+    assert spread.same_sign == [sum(math.copysign(1, d) == mean_sign for d in differences)]
+    assert 0 < spread.same_sign[0] < 3, "the synthetic runs disagree on the ordering"
+    with pytest.raises(UsageError, match="at least two runs"):
+        across_seeds(runs[:1])
+    with pytest.raises(UsageError, match="same models"):
+        across_seeds([runs[0], compare("last-token", 8, ["a", "c"], [a, b], samples=10)])
+
+
+@pytest.mark.slow
+def test_compare_command_groups_runs_of_a_model_by_label(tmp_path):
+    """Files sharing a label are runs (seeds) of one model: each run is compared with the same run of
+    the baseline, exactly as a separate call would, and the spread over runs is reported."""
+    rng = np.random.default_rng(8)
+    files = {}
+    for k in (1, 2):
+        a, b = synthetic(rng, 30, 8, 2.0, 0.05 * k)
+        files[("A", k)] = write(tmp_path / f"a{k}.npz", "valid", "f1", a)
+        files[("B", k)] = write(tmp_path / f"b{k}.npz", "valid", "f1", b)
+    analyze = [BIN / "kerple-analyze", "compare", "--samples", "200"]
+    run([*analyze, "--path", files["A", 1], files["A", 2], files["B", 1], files["B", 2],
+         "--labels", "A", "A", "B", "B", "--out", tmp_path / "both"])
+    both = json.loads((tmp_path / "both" / "compare.json").read_text())
+    for k in (1, 2):
+        run([*analyze, "--path", files["A", k], files["B", k], "--labels", "A", "B", "--out", tmp_path / f"run{k}"])
+        [alone] = json.loads((tmp_path / f"run{k}" / "compare.json").read_text())["comparisons"]
+        alone["replicate"] = k
+        assert both["comparisons"][k - 1] == alone
+    [spread] = both["across_seeds"]
+    differences = [both["comparisons"][k]["difference"][0] for k in (0, 1)]
+    assert spread["runs"] == 2 and spread["difference_mean"] == pytest.approx([statistics.mean(differences)])
+    proc = run([*analyze, "--path", files["A", 1], files["A", 2], files["B", 1], "--labels", "A", "A", "B",
+                "--out", tmp_path / "uneven"], check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("kerple-analyze: error: a label repeated names the runs (seeds) "
+                                                    "of one model, and every model needs as many: A has 2, B has 1")
+    assert not (tmp_path / "uneven").exists()

@@ -92,7 +92,7 @@ def test_gpu_command_is_the_fp16_multi_gpu_recipe(monkeypatch, capsys, tmp_path)
                 "--nodes", "2", "--node-rank", "1", "--master", "node0:29500", "--max-update", "10"])
     assert exit_info.value.code == 0 and len(launched) == 1
     cmd = " ".join(launched[0])
-    for part in ["--arch transformer_lm_kerple_wiki103", "--bias-kernel alibi", "--fp16", "--ddp-backend legacy_ddp",
+    for part in ["--arch transformer_lm_alibi_wiki103", "--fp16", "--ddp-backend legacy_ddp",
                  "--max-tokens 9216", "--update-freq 1", "--distributed-world-size 8", "--distributed-rank 4",
                  "--distributed-init-method tcp://node0:29500", "--tokens-per-sample 512", "--optimizer nag",
                  "--lr-scheduler cosine", "--tensorboard-logdir", "--kernel-parameterization clamp"]:
@@ -102,12 +102,14 @@ def test_gpu_command_is_the_fp16_multi_gpu_recipe(monkeypatch, capsys, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags, message", [
-    (["--data", "/nonexistent"], "is not a data-bin (no dict.txt); run: bash scripts/prepare-wikitext-103.sh"),
-    (["--nodes", "2"], "--nodes > 1 needs --master HOST:PORT"),
+@pytest.mark.parametrize("model, flags, message", [
+    ("alibi", ["--data", "/nonexistent"], "is not a data-bin (no dict.txt); run: bash scripts/prepare-wikitext-103.sh"),
+    ("alibi", ["--nodes", "2"], "--nodes > 1 needs --master HOST:PORT"),
+    ("alibi_v2", [], "unknown model 'alibi_v2': choose a position encoding (sinusoidal, rotary, nope, t5, alibi, "
+                     "kerple_log) or a bias kernel (alibi, alibi_rf, "),
 ])
-def test_bad_input_is_one_line(data_bin, flags, message):
-    args = [sys.executable, SCRIPT, "alibi", "--tiny"] + (["--data", str(data_bin)] if "--data" not in flags else []) + flags
+def test_bad_input_is_one_line(data_bin, model, flags, message):
+    args = [sys.executable, SCRIPT, model, "--tiny"] + (["--data", str(data_bin)] if "--data" not in flags else []) + flags
     proc = run(args, check=False)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [f"train-wikitext-103: error: {proc.stderr.split('error: ', 1)[1].strip()}"]

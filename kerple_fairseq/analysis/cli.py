@@ -7,6 +7,9 @@
     kerple-analyze compare          --path A.npz B.npz [--protocol P] [--lengths L ...] [--samples 1000]
     kerple-analyze extrapolation    --path A.json B.json [--train-length L]
 
+``compare`` and ``extrapolation`` take several training runs (seeds) of a model under one label:
+``--path a1 a2 b1 b2 --labels A A B B``.
+
 Each writes ``<out>/<analysis>.csv`` (and ``receptive-field.json``) and, with matplotlib
 installed (the ``plots`` extra), ``<out>/<analysis>.png``; ``compare`` reads the files of
 ``kerple-eval-lm --per-token`` and writes ``<out>/compare.json``, ``extrapolation`` reads those of
@@ -18,7 +21,7 @@ import csv
 import json
 import os
 import sys
-from typing import Callable, List
+from typing import Callable, Dict, List
 
 import numpy as np
 import torch
@@ -37,13 +40,15 @@ from kerple_fairseq.evaluation.spans import PROTOCOLS
 PROG = "kerple-analyze"
 
 
-def inputs(kind: str, path_help: str, writes: str) -> argparse.ArgumentParser:
-    """The options every analysis takes: its inputs (``--path``, each a ``kind``), their ``--labels``,
-    and the ``--out`` directory of what it ``writes``."""
+def inputs(kind: str, path_help: str, writes: str, seeds: bool = False) -> argparse.ArgumentParser:
+    """The options every analysis takes: its inputs (``--path``, each a ``kind``), their ``--labels``
+    (which may repeat a model's name for its runs if ``seeds``), and the ``--out`` directory of what it ``writes``."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--path", nargs="+", required=True, metavar=kind.upper(), help=path_help)
+    runs = (f"; {kind}s of several training runs (seeds) of one model share its name, and every model "
+            "needs as many") if seeds else ""
     parser.add_argument("--labels", nargs="+", metavar="LABEL",
-                        help=f"one name per {kind} (default: each {kind}'s directory name)")
+                        help=f"one name per {kind} (default: each {kind}'s directory name){runs}")
     parser.add_argument("--out", default="analysis", metavar="DIR",
                         help=f"directory for {writes} (default: analysis)")
     return parser
@@ -88,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     receptive.add_argument("--mass", type=float, default=0.99,
                            help="ERF = fewest most recent tokens holding more than this share (default: 0.99)")
     per_token_files = inputs("file", "kerple-eval-lm --per-token files of one split; the first is the baseline",
-                             "compare.json")
+                             "compare.json", seeds=True)
     compare = sub.add_parser("compare", parents=[per_token_files],
                              help="perplexity differences to the first model, with paired-bootstrap "
                              "confidence intervals, from kerple-eval-lm --per-token files")
@@ -98,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--samples", type=positive_int, default=1000, help="bootstrap samples (default: 1000)")
     compare.add_argument("--seed", type=int, default=1, help="seed of the bootstrap draws (default: 1)")
     compare.add_argument("--confidence", type=float, default=0.95, help="interval level (default: 0.95)")
-    results_files = inputs("file", "kerple-eval-lm --results-json files, one per model", "extrapolation.csv and .png")
+    results_files = inputs("file", "kerple-eval-lm --results-json files, one per model", "extrapolation.csv and .png",
+                           seeds=True)
     extrapolation = sub.add_parser("extrapolation", parents=[results_files],
                                    help="perplexity against evaluation length, one line per model "
                                    "and a panel per protocol, from kerple-eval-lm --results-json files")
@@ -112,11 +118,26 @@ def default_labels(paths: List[str]) -> List[str]:
     return labels if len(set(labels)) == len(labels) else list(paths)
 
 
+def seed_runs(labels: List[str]) -> Dict[str, List[int]]:
+    """The inputs of each model, by label: inputs sharing a label are training runs of one model
+    (seeds), in the order given; every model must have as many."""
+    runs = {}
+    for i, label in enumerate(labels):
+        runs.setdefault(label, []).append(i)
+    counts = {label: len(r) for label, r in runs.items()}
+    if len(set(counts.values())) != 1:
+        raise UsageError("a label repeated names the runs (seeds) of one model, and every model needs as many: "
+                         + ", ".join(f"{label} has {n}" for label, n in counts.items()))
+    return runs
+
+
 def check_arguments(args) -> List[str]:
     labels = args.labels or default_labels(args.path)
     if len(labels) != len(args.path):
         raise UsageError(f"--labels gives {len(labels)} names for {len(args.path)} checkpoints")
-    if len(set(labels)) != len(labels):
+    if args.analysis in SEED_AWARE:
+        seed_runs(labels)
+    elif len(set(labels)) != len(labels):
         raise UsageError("--labels must be distinct")
     if args.analysis == "compare" and not 0 < args.confidence < 1:
         raise UsageError(f"--confidence must be between 0 and 1, got {args.confidence}")
@@ -282,13 +303,22 @@ def analyse_compare(args, labels, out: str) -> None:
     if not chosen:
         raise UsageError("the files share no protocol and length" + ("" if args.protocol is None and
                          args.lengths is None else " among those asked for"))
-    results = []
+    runs = seed_runs(labels)
+    models, num_runs = list(runs), len(next(iter(runs.values())))
+    comparisons, spreads = [], []
     for protocol, length in chosen:
-        c = significance.compare(protocol, length, labels, [f.scored[(protocol, length)] for f in files],
-                                 args.samples, args.seed, args.confidence)
-        print(significance.format_comparison(c))
-        results.append(c.as_dict())
-    write_json(os.path.join(out, "compare.json"), results)
+        per_run = [significance.compare(protocol, length, models,
+                                        [files[runs[m][k]].scored[(protocol, length)] for m in models],
+                                        args.samples, args.seed, args.confidence, replicate=k + 1)
+                   for k in range(num_runs)]
+        for c in per_run:
+            print(significance.format_comparison(c, num_runs))
+        comparisons += [c.as_dict() for c in per_run]
+        if num_runs > 1:
+            spread = significance.across_seeds(per_run)
+            print(significance.format_seed_spread(spread))
+            spreads.append(spread.as_dict())
+    write_json(os.path.join(out, "compare.json"), {"comparisons": comparisons, "across_seeds": spreads})
     print(f"{PROG}: wrote {os.path.join(out, 'compare.json')}", file=sys.stderr)
 
 
@@ -309,19 +339,28 @@ def read_results(path: str) -> List[dict]:
 
 
 def analyse_extrapolation(args, labels, out: str) -> None:
-    results = {label: read_results(path) for label, path in zip(labels, args.path)}
+    results = [read_results(path) for path in args.path]
     train_lengths = [args.train_length] if args.train_length else sorted(
-        {r["train_length"] for records in results.values() for r in records if r.get("train_length")})
-    protocols = [p for p in PROTOCOLS if any(r["protocol"] == p for records in results.values() for r in records)]
+        {r["train_length"] for records in results for r in records if r.get("train_length")})
+    protocols = [p for p in PROTOCOLS if any(r["protocol"] == p for records in results for r in records)]
     rows, series = [], []
-    for label, records in results.items():
+    for label, indices in seed_runs(labels).items():
         for protocol in protocols:
-            points = sorted((r["length"], r["ppl"]) for r in records if r["protocol"] == protocol)
-            if points:
-                series.append((label, protocol, [n for n, _ in points], [p for _, p in points]))
-                rows.extend((label, protocol, n, repr(p)) for n, p in points)
-                print(f"{label}: {protocol} " + ", ".join(f"L={n} {p:.2f}" for n, p in points))
-    write_csv(os.path.join(out, "extrapolation.csv"), ["model", "protocol", "length", "ppl"], rows)
+            by_length = {}
+            for i in indices:
+                for r in results[i]:
+                    if r["protocol"] == protocol:
+                        by_length.setdefault(r["length"], []).append(r["ppl"])
+            lengths = sorted(n for n, ppl in by_length.items() if len(ppl) == len(indices))  # every run has them
+            if lengths:
+                ppl = [by_length[n] for n in lengths]
+                series.append((label, protocol, lengths, [float(np.mean(p)) for p in ppl],
+                               [min(p) for p in ppl], [max(p) for p in ppl]))
+                rows.extend((label, protocol, n, repr(float(np.mean(p))), repr(min(p)), repr(max(p)), len(p))
+                            for n, p in zip(lengths, ppl))
+                runs = f" (mean of {len(indices)} runs)" if len(indices) > 1 else ""
+                print(f"{label}: {protocol}{runs} " + ", ".join(f"L={n} {np.mean(p):.2f}" for n, p in zip(lengths, ppl)))
+    write_csv(os.path.join(out, "extrapolation.csv"), ["model", "protocol", "length", "ppl", "min", "max", "runs"], rows)
     png = os.path.join(out, "extrapolation.png")
     draw(lambda: figures.extrapolation(series, protocols, train_lengths, png), png)
 
@@ -334,6 +373,7 @@ ANALYSES = {
     "compare": analyse_compare,
     "extrapolation": analyse_extrapolation,
 }
+SEED_AWARE = ("compare", "extrapolation")  # analyses where a repeated label names several runs of one model
 
 
 def cli_main(argv=None) -> None:

@@ -108,22 +108,25 @@ def receptive_field(series: List[Tuple[str, np.ndarray, int]], mass: float, path
     _save(fig, path)
 
 
-def extrapolation(series: List[Tuple[str, str, Sequence[int], Sequence[float]]], protocols: Sequence[str],
-                  train_lengths: Sequence[int], path: str) -> None:
+def extrapolation(series: List[Tuple[str, str, Sequence[int], Sequence[float], Sequence[float], Sequence[float]]],
+                  protocols: Sequence[str], train_lengths: Sequence[int], path: str) -> None:
     """Perplexity against evaluation length (log axis), one panel per protocol, one line per model
-    (``series``: label, protocol, lengths, perplexities); dotted: the training lengths."""
+    (``series``: label, protocol, lengths, perplexities, and their smallest and largest over the
+    model's training runs, shaded where they differ); dotted: the training lengths."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(protocols), figsize=(5.0 * len(protocols), 3.8), squeeze=False)
     colours = {}
     for ax, protocol in zip(axes[0], protocols):
-        for label, p, lengths, ppl in series:
+        for label, p, lengths, ppl, low, high in series:
             if p == protocol:
                 line, = ax.plot(lengths, ppl, marker="o", ms=3.5, lw=1.5, label=label, color=colours.get(label))
                 colours[label] = line.get_color()
+                if list(low) != list(high):
+                    ax.fill_between(lengths, low, high, color=line.get_color(), alpha=0.2, lw=0)
         for n in sorted(set(train_lengths)):
             ax.axvline(n, color="grey", ls=":", lw=1)
         ax.set_xscale("log", base=2)
-        all_lengths = sorted({n for _, p, lengths, _ in series if p == protocol for n in lengths})
+        all_lengths = sorted({n for _, p, lengths, *_ in series if p == protocol for n in lengths})
         ax.set_xticks(all_lengths)
         ax.set_xticklabels([str(n) for n in all_lengths], rotation=45 if len(all_lengths) > 6 else 0)
         ax.set_title(protocol)

@@ -8,6 +8,12 @@ and recomputes each model's perplexity ``exp(sum of losses / number of tokens)``
 percentile interval of the differences to the first model over the samples is the confidence
 interval, and the share of samples whose difference has the other sign (or none) is how often the
 ordering flips.
+
+Several training runs of each model (seeds) are compared run by run, the ``k``-th run of every model
+together (runs with the same seed see the same batches in the same order), and summarised across
+runs: each model's mean perplexity and its standard deviation over seeds, and the same for its
+difference to the first model. The bootstrap interval of one run measures the evaluation's noise
+(which tokens were scored); the spread over seeds measures the training's.
 """
 
 from dataclasses import dataclass
@@ -58,9 +64,49 @@ class Comparison:
     ratio: List[float]  # ppl / the first model's
     ratio_interval: List[List[float]]
     ordering_flips: List[float]  # share of samples whose difference has another sign
+    replicate: int = 1  # which training run of each model (the k-th seed of every model)
 
     def as_dict(self) -> Dict:
         return dict(self.__dict__)
+
+
+@dataclass
+class SeedSpread:
+    """Each model over its training runs at one protocol and length, and its difference to the first
+    model run by run."""
+
+    protocol: str
+    length: int
+    labels: List[str]
+    runs: int
+    mean: List[float]  # mean perplexity over runs
+    sd: List[float]  # its sample standard deviation (ddof 1)
+    difference_mean: List[float]  # mean over runs of (ppl - the first model's ppl of the same run)
+    difference_sd: List[float]
+    difference_range: List[List[float]]  # smallest and largest difference of a run
+    same_sign: List[int]  # runs whose difference has the sign of the mean difference
+
+    def as_dict(self) -> Dict:
+        return dict(self.__dict__)
+
+
+def across_seeds(runs: Sequence[Comparison]) -> SeedSpread:
+    """The spread over ``runs``: comparisons of the same models, protocol and length, one per seed."""
+    if len(runs) < 2:
+        raise UsageError("a spread over seeds needs at least two runs of each model")
+    first = runs[0]
+    if any((c.protocol, c.length, c.labels) != (first.protocol, first.length, first.labels) for c in runs):
+        raise UsageError("the runs of a spread over seeds must compare the same models at the same protocol and length")
+    ppl = np.array([c.perplexities for c in runs])  # [runs, models]
+    difference = ppl[:, 1:] - ppl[:, :1]
+    mean_difference = difference.mean(axis=0)
+    return SeedSpread(
+        protocol=first.protocol, length=first.length, labels=list(first.labels), runs=len(runs),
+        mean=ppl.mean(axis=0).tolist(), sd=ppl.std(axis=0, ddof=1).tolist(),
+        difference_mean=mean_difference.tolist(), difference_sd=difference.std(axis=0, ddof=1).tolist(),
+        difference_range=np.stack([difference.min(axis=0), difference.max(axis=0)], axis=1).tolist(),
+        same_sign=(np.sign(difference) == np.sign(mean_difference)).sum(axis=0).tolist(),
+    )
 
 
 def check_same_tokens(protocol: str, length: int, labels: Sequence[str], scored: Sequence[TokenScores]) -> None:
@@ -72,8 +118,9 @@ def check_same_tokens(protocol: str, length: int, labels: Sequence[str], scored:
 
 
 def compare(protocol: str, length: int, labels: Sequence[str], scored: Sequence[TokenScores],
-            samples: int = 1000, seed: int = 1, confidence: float = 0.95) -> Comparison:
-    """The paired bootstrap of ``scored`` (one per model, the first the baseline)."""
+            samples: int = 1000, seed: int = 1, confidence: float = 0.95, replicate: int = 1) -> Comparison:
+    """The paired bootstrap of ``scored`` (one per model, the first the baseline; the ``replicate``-th
+    training run of each)."""
     if len(scored) < 2:
         raise UsageError("compare needs at least two models")
     if not 0 < confidence < 1:
@@ -95,13 +142,15 @@ def compare(protocol: str, length: int, labels: Sequence[str], scored: Sequence[
         difference_interval=np.percentile(difference, tails, axis=0).T.tolist(),
         ratio=(observed[1:] / observed[0]).tolist(),
         ratio_interval=np.percentile(ratio, tails, axis=0).T.tolist(),
-        ordering_flips=flips.tolist(),
+        ordering_flips=flips.tolist(), replicate=replicate,
     )
 
 
-def format_comparison(c: Comparison) -> str:
+def format_comparison(c: Comparison, runs: int = 1) -> str:
+    """``c`` as a text table; with ``runs`` > 1 the header says which run of each model it compares."""
     level = f"{100 * c.confidence:g}%"
-    lines = [f"{c.protocol} L={c.length}: {c.num_tokens} tokens in {c.num_units} units, paired bootstrap of "
+    run = f", run {c.replicate} of {runs}" if runs > 1 else ""
+    lines = [f"{c.protocol} L={c.length}{run}: {c.num_tokens} tokens in {c.num_units} units, paired bootstrap of "
              f"{c.samples} samples",
              f"  {'model':<24} {'ppl':>9} {'- ' + c.labels[0]:>12} {level + ' interval':>22} {'ratio':>7} "
              f"{'flips':>6}",
@@ -110,4 +159,18 @@ def format_comparison(c: Comparison) -> str:
         low, high = c.difference_interval[k]
         lines.append(f"  {label:<24} {c.perplexities[k + 1]:>9.3f} {c.difference[k]:>+12.3f} "
                      f"{f'[{low:+.3f}, {high:+.3f}]':>22} {c.ratio[k]:>7.4f} {c.ordering_flips[k]:>6.3f}")
+    return "\n".join(lines)
+
+
+def format_seed_spread(s: SeedSpread) -> str:
+    lines = [f"{s.protocol} L={s.length}, over {s.runs} seeds: mean and standard deviation of each model's "
+             f"perplexity, and of its difference to {s.labels[0]} seed by seed",
+             f"  {'model':<24} {'mean ppl':>9} {'sd':>7} {'- ' + s.labels[0]:>12} {'sd':>7} {'range':>20} "
+             f"{'same sign':>9}",
+             f"  {s.labels[0]:<24} {s.mean[0]:>9.3f} {s.sd[0]:>7.3f}"]
+    for k, label in enumerate(s.labels[1:]):
+        low, high = s.difference_range[k]
+        lines.append(f"  {label:<24} {s.mean[k + 1]:>9.3f} {s.sd[k + 1]:>7.3f} {s.difference_mean[k]:>+12.3f} "
+                     f"{s.difference_sd[k]:>7.3f} {f'[{low:+.3f}, {high:+.3f}]':>20} "
+                     f"{f'{s.same_sign[k]}/{s.runs}':>9}")
     return "\n".join(lines)

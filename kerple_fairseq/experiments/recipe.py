@@ -11,6 +11,7 @@ from typing import List, NamedTuple, Optional
 
 from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.experiments.paths import BIN, USER_DIR
+from kerple_fairseq.experiments.position_encodings import position_encoding
 
 
 # fp16 on CPU: fairseq's fp16 optimiser with unflattened gradients (fp32 master weights, dynamic
@@ -19,10 +20,13 @@ CPU_FP16_FLAGS = ["--fp16", "--fp16-no-flatten-grads"]
 
 
 class Preset(NamedTuple):
-    """A recipe's fairseq-train flags (less the per-run ones and the precision), its tokens per batch,
-    the number of workers whose batches make one update in the recipe, and whether it trains in fp16."""
+    """A recipe's fairseq-train flags (less the model's architecture, the per-run ones and the
+    precision), whether its models are ALiBi's WikiText-103 architectures (``transformer_lm_*_wiki103``),
+    its tokens per batch, the number of workers whose batches make one update in the recipe, and
+    whether it trains in fp16."""
 
     flags: List[str]
+    wiki103: bool
     max_tokens: int
     reference_workers: int
     fp16: bool
@@ -36,22 +40,24 @@ def adam_flags(lr: float, warmup_updates: int) -> List[str]:
 
 # ALiBi's WikiText-103 recipe (the ALiBi paper's WikiText-103 setting, which KERPLE's Table 10 reuses), less the per-run options
 ALIBI_WIKITEXT_103 = Preset(
-    flags=["--arch", "transformer_lm_kerple_wiki103", "--criterion", "adaptive_loss",
+    flags=["--criterion", "adaptive_loss",
            "--optimizer", "nag", "--lr", "1.0", "--clip-norm", "0.1",
            "--lr-scheduler", "cosine", "--lr-period-updates", "270000", "--t-mult", "2", "--lr-shrink", "0.75",
            "--min-lr", "0.0001", "--warmup-updates", "16000", "--warmup-init-lr", "1e-07", "--stop-min-lr", "1e-09",
            "--max-update", "286000", "--sample-break-mode", "none", "--seed", "1",
            "--skip-invalid-size-inputs-valid-test", "--required-batch-size-multiple", "1",
            "--kernel-parameterization", "clamp"],  # KERPLE's reference keeps its parameters in domain by clamping
+    wiki103=True,
     max_tokens=9216,
     reference_workers=8,  # the paper's 8 GPUs: 73,728 tokens per update
     fp16=True,
 )
 # the same pipeline on CPU in seconds: a 2-layer, 64-wide model
 TINY = Preset(
-    flags=["--arch", "transformer_lm_kerple", *model_size_flags(layers=2, width=64, heads=4),
+    flags=[*model_size_flags(layers=2, width=64, heads=4),
            "--criterion", "cross_entropy", *adam_flags(lr=0.003, warmup_updates=5),
            "--max-update", "20", "--sample-break-mode", "none", "--seed", "1", "--num-workers", "0"],
+    wiki103=False,
     max_tokens=1024,
     reference_workers=2,
     # fp32, so that a resumed run equals an uninterrupted one: fairseq's fp16 checkpoints keep the
@@ -93,10 +99,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def base_command(data: Path, kernel: str, train_length: int, preset: Preset, freq: int, save_dir: Path) -> List[str]:
-    """fairseq-train of ``preset`` with the ``kernel`` bias on ``data``, before the choice of devices."""
+def base_command(data: Path, model: str, train_length: int, preset: Preset, freq: int, save_dir: Path) -> List[str]:
+    """fairseq-train of ``preset`` on ``data`` for ``model`` (a comparison's position encoding or a bias
+    kernel, see :func:`~kerple_fairseq.experiments.position_encodings.position_encoding`), before the
+    choice of devices."""
     return [str(BIN / "fairseq-train"), str(data), "--user-dir", str(USER_DIR),
-            "--task", "language_modeling", *preset.flags, "--bias-kernel", kernel,
+            "--task", "language_modeling", *position_encoding(model).model_flags(preset.wiki103), *preset.flags,
             "--tokens-per-sample", str(train_length), "--max-tokens", str(preset.max_tokens),
             "--update-freq", str(freq), "--save-dir", str(save_dir),
             "--tensorboard-logdir", str(save_dir / "tensorboard")]

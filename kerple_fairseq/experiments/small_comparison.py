@@ -11,27 +11,24 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from kerple_fairseq.experiments.comparison import (
     PROTOCOLS, CommandFailed, Comparison, Model, markdown_table, protocol_rows)
 from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.experiments.paths import BIN, SCRIPTS, USER_DIR
+from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS
 from kerple_fairseq.experiments.recipe import cpu_training_flags
 from kerple_fairseq.experiments.wikitext103 import preprocess
 
-#: the models a comparison may hold, by name: the flags of their position encoding; everything else is
-#: the same for all (``tests/test_comparison_models.py`` checks it). Learned positions are not among
-#: them: they cannot be evaluated beyond the training length.
-MODELS = {
-    "sinusoidal": ["--arch", "transformer_lm_sinusoidal"],
-    "rotary": ["--arch", "transformer_lm_rotary"],
-    "nope": ["--arch", "transformer_lm_kerple", "--bias-kernel", "none"],
-    "t5": ["--arch", "transformer_lm_kerple", "--bias-kernel", "t5"],
-    "alibi": ["--arch", "transformer_lm_alibi"],
-    "kerple_log": ["--arch", "transformer_lm_kerple"],
-}
-DEFAULT_MODELS = ["sinusoidal", "alibi", "kerple_log"]
+DEFAULT_MODELS = ["sinusoidal", "alibi", "kerple_log"]  # names in POSITION_ENCODINGS
+
+Run = Tuple[str, int]  # a model's name and the seed it was trained with
+
+
+def run_name(args: argparse.Namespace, name: str, seed: int) -> str:
+    """The directory and table label of a training run: the model's name, with the seed where there are several."""
+    return name if len(args.seeds) == 1 else f"{name}-seed{seed}"
 
 
 def stage(message: str) -> None:
@@ -59,34 +56,37 @@ def run(cmd: list, log: Optional[Path] = None, show: Callable[[str], bool] = tra
         raise CommandFailed(Path(str(cmd[0])).name, proc.returncode)
 
 
-def train(args: argparse.Namespace, data_bin: Path, name: str) -> Path:
-    """fairseq-train of model ``name`` from scratch in ``<out>/<name>``; returns its last checkpoint."""
-    save_dir = args.out / name
+def train(args: argparse.Namespace, data_bin: Path, name: str, seed: int) -> Path:
+    """fairseq-train of model ``name`` with ``seed`` from scratch in its run's directory; returns its last checkpoint."""
+    save_dir = args.out / run_name(args, name, seed)
     if save_dir.exists():
         shutil.rmtree(save_dir)
     save_dir.mkdir(parents=True)
-    stage(f"training {name} ({' '.join(MODELS[name])}), {args.updates} updates")
-    run([BIN / "fairseq-train", data_bin, "--user-dir", USER_DIR, *MODELS[name],
+    model_flags = POSITION_ENCODINGS[name].model_flags()
+    stage(f"training {name} ({' '.join(model_flags)}), seed {seed}, {args.updates} updates")
+    run([BIN / "fairseq-train", data_bin, "--user-dir", USER_DIR, *model_flags,
          "--kernel-parameterization", args.kernel_parameterization,
          *model_size_flags(args.layers, args.width, args.heads, dropout=0.1),
-         *cpu_training_flags(args.train_length, args.max_tokens, lr=0.002, warmup_updates=20, seed=args.seed,
+         *cpu_training_flags(args.train_length, args.max_tokens, lr=0.002, warmup_updates=20, seed=seed,
                              log_format="simple", log_interval=25, adam_betas="(0.9, 0.98)", clip_norm=1.0),
          "--max-update", args.updates, "--save-dir", save_dir,
-         "--tensorboard-logdir", args.out / "tensorboard" / name],
+         "--tensorboard-logdir", args.out / "tensorboard" / save_dir.name],
         log=save_dir / "train.log")
     return save_dir / "checkpoint_last.pt"
 
 
-def analyse(args: argparse.Namespace, data_bin: Path, checkpoints: Dict[str, Path]) -> Path:
-    """kerple-analyze's figures and numbers for every model, in ``<out>/analysis``: perplexity against
-    length and the paired comparison from the evaluation's files, then the four model analyses."""
+def analyse(args: argparse.Namespace, data_bin: Path, checkpoints: Dict[Run, Path]) -> Path:
+    """kerple-analyze's figures and numbers in ``<out>/analysis``: perplexity against length and the
+    paired comparison from the evaluation's files of every run (a model's seeds under its name), then
+    the four model analyses of each model's first seed."""
     out = args.out / "analysis"
-    labels = ["--labels", *checkpoints, "--out", out]
-    paths = ["--path", *checkpoints.values(), *labels]
+    every_run = ["--labels", *(name for name, _ in checkpoints), "--out", out]
+    first = {name: c for (name, seed), c in checkpoints.items() if seed == args.seeds[0]}
+    paths = ["--path", *first.values(), "--labels", *first, "--out", out]
     on_data = [data_bin, "--length", max(args.eval_lengths), "--cpu", "--no-progress-bar", "--max-tokens", "16384"]
     analyses = [
-        ["extrapolation", "--path", *(c.parent / "eval.json" for c in checkpoints.values()), *labels],
-        ["compare", "--path", *(c.parent / "per-token.npz" for c in checkpoints.values()), *labels],
+        ["extrapolation", "--path", *(c.parent / "eval.json" for c in checkpoints.values()), *every_run],
+        ["compare", "--path", *(c.parent / "per-token.npz" for c in checkpoints.values()), *every_run],
         ["kernels", *paths, "--max-distance", max(args.eval_lengths)],
         ["effective-length", *paths],
         ["position-wise", *on_data, *paths, "--windowed-reference"],
@@ -95,12 +95,12 @@ def analyse(args: argparse.Namespace, data_bin: Path, checkpoints: Dict[str, Pat
     for analysis in analyses:
         stage(f"kerple-analyze {analysis[0]}")
         run([sys.executable, SCRIPTS / "analyze.py", *analysis],
-            show=lambda line: line.startswith((*checkpoints, "kerple-analyze", *PROTOCOLS, " ")))
+            show=lambda line: line.startswith((*first, "kerple-analyze", *PROTOCOLS, " ")))
     return out
 
 
-def table(results: Dict[str, list], lengths) -> str:
-    """A row per model and protocol of its perplexity at each length."""
+def table(results: Dict[str, List[dict]], lengths) -> str:
+    """A row per run and protocol of its perplexity at each length."""
     rows = [row for name, records in results.items() for row in protocol_rows([name], records)]
     return markdown_table(["model", "protocol"], rows, lengths)
 
@@ -114,24 +114,25 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
     comparison = Comparison(
         data_bin, args.eval_lengths, args.num_targets, ["--cpu", "--no-progress-bar"], run,
         announce=lambda model: stage(
-            f"evaluating {model.key} at lengths {', '.join(map(str, args.eval_lengths))}: early-token-cursed "
+            f"evaluating {run_name(args, *model.key)} at lengths {', '.join(map(str, args.eval_lengths))}: early-token-cursed "
             f"(every token, non-overlapping blocks) and last-token ({args.num_targets} targets)"))
     evaluated = comparison.train_and_evaluate([
-        Model(name, partial(train, args, data_bin, name),
-              eval_flags=["--position-wise", args.out / name / "position-wise.csv",
-                          "--per-token", args.out / name / "per-token.npz"])
-        for name in args.models])
-    results = {kernel: e.records for kernel, e in evaluated.items()}
+        Model((name, seed), partial(train, args, data_bin, name, seed),
+              eval_flags=["--position-wise", args.out / run_name(args, name, seed) / "position-wise.csv",
+                          "--per-token", args.out / run_name(args, name, seed) / "per-token.npz"])
+        for name in args.models for seed in args.seeds])
+    results = {run_name(args, *key): e.records for key, e in evaluated.items()}
     text = (f"Validation perplexity (early-token-cursed: every token, non-overlapping blocks; last-token: "
             f"the same {args.num_targets} targets after L-1 tokens), trained at L={args.train_length} "
             f"for {args.updates} updates of {args.max_tokens} tokens; {args.layers} layers, width {args.width}, "
-            f"{args.heads} heads, {args.vocab_size or 'full'} vocabulary, seed {args.seed}, "
-            f"--kernel-parameterization {args.kernel_parameterization}.\n\n" + table(results, args.eval_lengths))
+            f"{args.heads} heads, {args.vocab_size or 'full'} vocabulary, seed{'s' * (len(args.seeds) > 1)} "
+            f"{', '.join(map(str, args.seeds))}, --kernel-parameterization {args.kernel_parameterization}.\n\n"
+            + table(results, args.eval_lengths))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text + "\n")
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     print("\n" + text + "\n")
-    figures = analyse(args, data_bin, {kernel: e.checkpoint for kernel, e in evaluated.items()})
+    figures = analyse(args, data_bin, {key: e.checkpoint for key, e in evaluated.items()})
     stage(f"figures and their numbers in {figures}: extrapolation, compare (paired-bootstrap intervals), kernels, "
           "effective-length, position-wise, receptive-field (.png with the plots extra, .csv, .json)")
     stage(f"done in {(time.time() - started) / 60:.1f} min; results in {args.out}")

@@ -1,0 +1,39 @@
+"""The position encodings a comparison may hold, by name: each is a plugin architecture (and its
+flags) that differs from the others only in how it encodes position (``tests/test_comparison_models.py``
+checks it), at the small comparison's size or on ALiBi's WikiText-103 model."""
+
+from typing import List, NamedTuple, Tuple
+
+from kerple_fairseq.kernels import kernel_names
+
+
+class PositionEncoding(NamedTuple):
+    label: str  # its name in tables
+    architecture: str  # transformer_lm_<architecture>, or transformer_lm_<architecture>_wiki103
+    flags: Tuple[str, ...] = ()
+
+    def model_flags(self, wiki103: bool = False) -> List[str]:
+        """fairseq flags of the model: the architecture (ALiBi's WikiText-103 one if ``wiki103``) and its options."""
+        return ["--arch", f"transformer_lm_{self.architecture}{'_wiki103' if wiki103 else ''}", *self.flags]
+
+
+POSITION_ENCODINGS = {
+    "sinusoidal": PositionEncoding("sinusoidal", "sinusoidal"),
+    "rotary": PositionEncoding("rotary", "rotary"),
+    "nope": PositionEncoding("NoPE", "kerple", ("--bias-kernel", "none")),
+    "t5": PositionEncoding("T5", "kerple", ("--bias-kernel", "t5")),
+    "alibi": PositionEncoding("ALiBi", "alibi"),
+    "kerple_log": PositionEncoding("KERPLE-log", "kerple"),
+}
+# learned positions are not among them: they cannot be evaluated beyond the training length
+
+
+def position_encoding(name: str) -> PositionEncoding:
+    """A comparison's position encoding, or any bias kernel on ``transformer_lm_kerple``; raises
+    ``ValueError`` naming the choices for anything else."""
+    if name in POSITION_ENCODINGS:
+        return POSITION_ENCODINGS[name]
+    if name in kernel_names():
+        return PositionEncoding(name, "kerple", ("--bias-kernel", name))
+    raise ValueError(f"unknown model {name!r}: choose a position encoding ({', '.join(POSITION_ENCODINGS)}) "
+                     f"or a bias kernel ({', '.join(kernel_names())})")
