@@ -2,6 +2,7 @@
 # ALiBi vs KERPLE-log on WikiText-103 (KERPLE Table 10): train, evaluate, tabulate (options: --help).
 #   bash scripts/reproduce-wikitext-103.sh                          # trained at 512
 #   bash scripts/reproduce-wikitext-103.sh --train-lengths 512 2048
+#   bash scripts/reproduce-wikitext-103.sh --models sinusoidal alibi kerple_log --seeds 1 2 3
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 py="$here/../.venv/bin/python"; [ -x "$py" ] || py=python3

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up ./.venv if needed, then run the small ALiBi vs KERPLE-log comparison on CPU.
+# Set up ./.venv if needed, then run the small comparison of position encodings on CPU.
 #   WIKITEXT103_DIR=../shared/data/wikitext-103-sample bash scripts/run-small-comparison.sh [options]
 # Options are those of scripts/small_comparison.py (--help).
 set -euo pipefail

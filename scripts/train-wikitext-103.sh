@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ALiBi's WikiText-103 recipe for one kernel, on every GPU of this machine (options: --help).
+# ALiBi's WikiText-103 recipe for one model (a position encoding or a kernel), on every GPU of this machine (options: --help).
 #   bash scripts/train-wikitext-103.sh kerple_log                  # 16 layers, fp16, 286k updates
 #   bash scripts/train-wikitext-103.sh alibi --tiny --cpu-processes 2   # CPU smoke run, two gloo processes
 set -euo pipefail
