@@ -33,11 +33,15 @@ def test_smoke_run_trains_evaluates_and_tabulates_both_kernels(data_bin, tmp_pat
 def test_table_puts_the_published_numbers_beside_ours():
     records = [{"protocol": p, "length": n, "ppl": 20.0 + n / 1000} for p in ("early-token-cursed", "last-token")
                for n in (512, 1024, 1536, 2048, 3072)]
-    text = table({(512, "kerple_log"): records, (2048, "alibi"): records}, [512, 1024, 1536, 2048, 3072])
+    text = table({(512, "kerple_log", 1): records, (2048, "alibi", 1): records, (2048, "alibi", 2): records},
+                 [512, 1024, 1536, 2048, 3072])
     lines = text.splitlines()
     assert "| KERPLE-log (KERPLE Table 10) | 512 | early-token-cursed | 19.69 | 18.76 | 18.37 | 18.29 | 18.24 |" in lines
     assert "| ALiBi (KERPLE Table 10) | 2048 | early-token-cursed |  |  |  | 17.91 | 17.64 |" in lines
     assert "| KERPLE-log (this run, seed 1) | 512 | last-token | 20.51 | 21.02 | 21.54 | 22.05 | 23.07 |" in lines
+    assert sum("(KERPLE Table 10) | 2048 |" in line for line in lines) == 1  # once, after the first seed
+    assert lines.index("| ALiBi (KERPLE Table 10) | 2048 | early-token-cursed |  |  |  | 17.91 | 17.64 |") == \
+        next(i for i, line in enumerate(lines) if line.startswith("| ALiBi (this run, seed 1) | 2048 | last-token")) + 1
 
 
 @pytest.mark.slow
