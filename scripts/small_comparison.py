@@ -44,9 +44,9 @@ def parse_args():
     p.add_argument("--vocab-size", type=int, default=8000,
                    help="keep the most frequent words, the rest become <unk> (CPU cost is dominated by "
                    "the output layer; 0 keeps all)")
-    p.add_argument("--train-length", type=int, default=128, help="tokens per training sample")
-    p.add_argument("--eval-lengths", type=int, nargs="+", default=[128, 256, 512, 1024, 2048],
-                   help="non-overlapping evaluation lengths")
+    p.add_argument("--train-length", type=int, default=64, help="tokens per training sample (default: 64)")
+    p.add_argument("--eval-lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048],
+                   help="evaluation lengths, each under both protocols (default: 64 to 2048, 1x to 32x the training length)")
     p.add_argument("--num-targets", type=int, default=200, help="targets of the last-token protocol")
     p.add_argument("--num-segments", type=int, default=32,
                    help="segments of the receptive-field analysis (at the largest evaluation length)")
