@@ -154,12 +154,15 @@ def legacy_model(name):
 def test_checkpoints_saved_before_the_options_give_the_same_log_probabilities(name):
     """Checkpoints of softplus kernels and of T5's unscaled [heads, buckets] table (see
     tests/data/legacy-checkpoints/README.md) load in stock fairseq with the current defaults and score
-    exactly as they did, also after they are saved again and reloaded."""
+    as they did, also after they are saved again and reloaded. Across CPUs float32 matrix products
+    round differently (about 2e-6 here), so the saved log-probabilities are matched to 1e-5; a
+    parameterisation read differently moves them by orders of magnitude more. On one machine the
+    re-saved model scores bit for bit as the loaded one."""
     model, cfg, task = legacy_model(name)
     saved = torch.load(LEGACY / f"{name}.log-probs.pt", weights_only=False)
     with torch.no_grad():
         log_probs = torch.log_softmax(model(saved["tokens"])[0].float(), -1)
-    assert torch.equal(log_probs, saved["log_probs"])
+    torch.testing.assert_close(log_probs, saved["log_probs"], rtol=0, atol=1e-5)
     kernel = model.decoder.attention_bias.kernel
     if name == "t5":
         assert kernel.scale == 1.0 and not kernel.scaled_by_sqrt_head_dim
@@ -169,7 +172,7 @@ def test_checkpoints_saved_before_the_options_give_the_same_log_probabilities(na
     again = task.build_model(cfg.model).eval()
     again.load_state_dict(model.state_dict())
     with torch.no_grad():
-        assert torch.equal(torch.log_softmax(again(saved["tokens"])[0].float(), -1), saved["log_probs"])
+        assert torch.equal(torch.log_softmax(again(saved["tokens"])[0].float(), -1), log_probs)
 
 
 def test_a_clamp_checkpoint_does_not_load_as_softplus():

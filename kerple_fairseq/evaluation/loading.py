@@ -1,7 +1,7 @@
 """Loading a checkpoint and a split for evaluation and analysis, with one-line errors."""
 
 import os
-import pickle
+import re
 from typing import Dict, Optional
 
 import torch
@@ -12,14 +12,32 @@ from fairseq.modules import LearnedPositionalEmbedding
 from kerple_fairseq.errors import KernelConfigError, UsageError
 
 
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, without terminal colour codes (its type if it has none)."""
+    lines = ANSI_ESCAPE.sub("", str(error)).strip().splitlines()
+    return lines[0].strip() if lines else type(error).__name__
+
+
 def _unreadable(path: str, error: BaseException) -> UsageError:
-    detail = str(error).splitlines()[0] if str(error) else "truncated file"
-    return UsageError(f"cannot read checkpoint {path} ({type(error).__name__}: {detail}); "
-                      "is it a complete fairseq checkpoint?")
+    return UsageError(f"cannot read checkpoint {path} ({type(error).__name__}: {first_line(error)}); "
+                      "give a checkpoint_*.pt file written by fairseq-train")
 
 
-# what torch.load and fairseq's upgrade code raise on a damaged or foreign file
-UNREADABLE = (EOFError, OSError, ValueError, KeyError, AttributeError, pickle.UnpicklingError)
+def _diagnose(path: str, error: BaseException) -> UsageError:
+    """Why fairseq could not read ``path``: not a fairseq checkpoint if PyTorch reads it, else unreadable."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as unreadable:  # noqa: BLE001
+        return UsageError(f"cannot read checkpoint {path}: not a PyTorch file, or a damaged or truncated one "
+                          f"({first_line(unreadable)}); give a checkpoint_*.pt file written by fairseq-train")
+    try:
+        check_checkpoint_state(path, state)
+    except UsageError as not_fairseq:
+        return not_fairseq
+    return _unreadable(path, error)
 
 
 def check_data_bin(data: str) -> None:
@@ -32,8 +50,21 @@ def dictionary_size(data: str) -> int:
 
 
 def check_checkpoint(path: str) -> None:
+    """One line for a path that cannot be a checkpoint, before anything tries to read it."""
+    if os.path.isdir(path):
+        raise UsageError(f"checkpoint {path} is a directory; give a checkpoint file in it, e.g. "
+                         f"{os.path.join(path, 'checkpoint_best.pt')}")
     if not os.path.isfile(path):
         raise UsageError(f"checkpoint {path} does not exist")
+    if os.path.getsize(path) == 0:
+        raise UsageError(f"checkpoint {path} is an empty file")
+
+
+def check_checkpoint_state(path: str, state) -> None:
+    """One line for a file PyTorch reads that is not a fairseq checkpoint."""
+    if not isinstance(state, dict) or "model" not in state or (state.get("cfg") is None and state.get("args") is None):
+        raise UsageError(f"{path} is not a fairseq checkpoint (no model configuration in it); give a "
+                         "checkpoint_*.pt file written by fairseq-train")
 
 
 def load_language_model(path: str, data: str, overrides: Optional[Dict] = None, task=None,
@@ -46,10 +77,11 @@ def load_language_model(path: str, data: str, overrides: Optional[Dict] = None, 
     (fairseq ignores overrides of options a checkpoint's config lacks).
     """
     check_data_bin(data)
-    check_checkpoint(path)
+    arg_overrides = {"data": data, **(overrides or {})}
+    state = load_checkpoint_state(path, arg_overrides)
     try:
         models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(
-            [path], arg_overrides={"data": data, **(overrides or {})}, task=task)
+            [path], arg_overrides=arg_overrides, task=task, state=state)
     except KernelConfigError as e:
         raise UsageError(str(e)) from e
     except RuntimeError as e:
@@ -58,8 +90,10 @@ def load_language_model(path: str, data: str, overrides: Optional[Dict] = None, 
                 f"the dictionary of {data} ({dictionary_size(data)} types) does not "
                 "match the checkpoint's: use the data-bin the model was trained with, or preprocess with "
                 "fairseq-preprocess --srcdict <its dict.txt>") from e
-        raise UsageError(f"cannot load checkpoint {path}: {str(e).splitlines()[0]}") from e
-    except UNREADABLE as e:
+        raise UsageError(f"cannot load checkpoint {path}: {first_line(e)}") from e
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001  (whatever a foreign or damaged file makes torch or fairseq raise)
         raise _unreadable(path, e) from e
     if len(models) != 1:
         raise UsageError("give one checkpoint at a time (ensembles are not supported)")
@@ -71,13 +105,16 @@ def load_language_model(path: str, data: str, overrides: Optional[Dict] = None, 
     return models[0], task, cfg
 
 
-def load_checkpoint_state(path: str) -> Dict:
-    """The checkpoint's dictionary (``cfg``, ``model`` state), without building the model or a task."""
+def load_checkpoint_state(path: str, arg_overrides: Optional[Dict] = None) -> Dict:
+    """The checkpoint's dictionary (``cfg`` with ``arg_overrides`` applied, ``model`` state), without
+    building the model or a task; one-line errors for anything that is not a fairseq checkpoint."""
     check_checkpoint(path)
     try:
-        return checkpoint_utils.load_checkpoint_to_cpu(path)
-    except UNREADABLE + (RuntimeError,) as e:
-        raise _unreadable(path, e) from e
+        state = checkpoint_utils.load_checkpoint_to_cpu(path, arg_overrides)
+    except Exception as e:  # noqa: BLE001  (whatever a foreign or damaged file makes torch or fairseq raise)
+        raise _diagnose(path, e) from e
+    check_checkpoint_state(path, state)
+    return state
 
 
 def token_stream(task, data: str, split: str, dataset_impl=None) -> torch.Tensor:
