@@ -7,8 +7,15 @@ each also as ``..._wiki103``) and every kernel in :mod:`kerple_fairseq.kernels`.
 
 import os
 
-from kerple_fairseq.errors import KernelConfigError, install_excepthook
-from kerple_fairseq import kernels, models  # noqa: F401  (registration)
+from kerple_fairseq.quiet import logging_left_to_the_process, silence_library_notices
+
+silence_library_notices()  # before fairseq is imported: its import-time notices are among them
+with logging_left_to_the_process():
+    import fairseq  # noqa: F401
+    from fairseq import models as _fairseq_models, tasks as _fairseq_tasks  # noqa: F401  (all their modules)
+
+from kerple_fairseq.errors import KernelConfigError, install_one_line_errors  # noqa: E402
+from kerple_fairseq import kernels, models  # noqa: F401,E402  (registration)
 
 
 def _register_fairseq_user_dir_alias() -> None:
@@ -24,6 +31,6 @@ def _register_fairseq_user_dir_alias() -> None:
 
 
 _register_fairseq_user_dir_alias()
-install_excepthook()
+install_one_line_errors()
 
 __all__ = ["KernelConfigError"]

@@ -1,5 +1,6 @@
-"""The plugin's user-facing error, reported as one line on the command line."""
+"""The plugin's user-facing errors, reported as one line on the command line."""
 
+import argparse
 import sys
 
 
@@ -27,7 +28,14 @@ def _one_line_excepthook(previous):
     return hook
 
 
-def install_excepthook() -> None:
-    """Print uncaught :class:`KernelConfigError` as one line; other errors are untouched."""
+def _one_line_usage_error(parser: argparse.ArgumentParser, message: str) -> None:
+    parser.exit(2, f"{parser.prog}: error: {message} (options: {parser.prog} --help)\n")
+
+
+def install_one_line_errors() -> None:
+    """Print uncaught :class:`KernelConfigError` as one line, and command-line errors of every parser in
+    the process (fairseq-train's with ``--user-dir kerple_fairseq``, kerple-eval-lm's, kerple-analyze's)
+    as one line, without the usage listing that ``--help`` gives; other errors are untouched."""
     if not getattr(sys.excepthook, "kerple_fairseq", False):
         sys.excepthook = _one_line_excepthook(sys.excepthook)
+    argparse.ArgumentParser.error = _one_line_usage_error

@@ -6,13 +6,11 @@ unpacked ``wiki.{train,valid,test}.tokens``). Running it again reuses every fini
 """
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's kerple_fairseq
-logging.getLogger().addHandler(logging.NullHandler())  # keeps fairseq's import-time logging set-up off stderr
 
 from kerple_fairseq.experiments.wikitext103 import (  # noqa: E402
     ARCHIVE_NAME, OFFICIAL_MD5, OFFICIAL_URL, PrepareError, archive_tokens, preprocess)

@@ -12,14 +12,12 @@ position-wise perplexity and receptive field.
 """
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's kerple_fairseq
-logging.getLogger().addHandler(logging.NullHandler())  # keeps fairseq's import-time logging set-up off stderr
 
 from kerple_fairseq.experiments.comparison import CommandFailed  # noqa: E402
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS  # noqa: E402

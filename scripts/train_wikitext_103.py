@@ -8,14 +8,12 @@ Options this script does not know are passed to fairseq-train unchanged (and ove
 """
 
 import argparse
-import logging
 import shlex
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's kerple_fairseq
-logging.getLogger().addHandler(logging.NullHandler())  # keeps fairseq's import-time logging set-up off stderr
 
 from kerple_fairseq.experiments import recipe  # noqa: E402
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS, position_encoding  # noqa: E402

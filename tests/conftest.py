@@ -17,9 +17,6 @@ SAMPLE = Path(os.environ.get("KERPLE_WIKITEXT_DIR", REPO.parent / "shared" / "da
 BIN = Path(sys.executable).parent
 
 sys.path[:0] = [str(Path(__file__).parent), str(REPO)]  # helpers; this checkout's kerple_fairseq
-# fairseq's modules call logging.basicConfig when imported (here, before pytest's log capture is in
-# place): a root handler keeps the root logger as it was, unconfigured
-logging.getLogger().addHandler(logging.NullHandler())
 
 from kerple_fairseq.experiments.language_models import model_size_flags  # noqa: E402
 from kerple_fairseq.experiments.recipe import cpu_training_flags  # noqa: E402

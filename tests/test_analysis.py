@@ -277,7 +277,7 @@ def test_without_matplotlib_the_numbers_are_written_and_the_fix_is_named(trained
 def test_bad_input_through_the_installed_command(tmp_path):
     proc = analyze("kernels", "--path", tmp_path / "missing.pt", "--out", tmp_path / "out", check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == f"kerple-analyze: error: checkpoint {tmp_path / 'missing.pt'} does not exist"
+    assert proc.stderr.strip().splitlines() == [f"kerple-analyze: error: checkpoint {tmp_path / 'missing.pt'} does not exist"]
     assert not (tmp_path / "out").exists()
 
 

@@ -121,11 +121,11 @@ def position_wise_rows(length: int, scores: List[np.ndarray]):
     return [(length, p, losses[p], int(counts[p])) for p in range(length) if counts[p]]
 
 
-def format_table(records: List[Dict]) -> str:
-    lines = [f"{'protocol':<20} {'length':>7} {'ppl':>10} {'loss':>8} {'tokens':>10}"]
-    for r in records:
-        lines.append(f"{r['protocol']:<20} {r['length']:>7} {r['ppl']:>10.3f} {r['loss']:>8.4f} {r['num_tokens']:>10}")
-    return "\n".join(lines)
+TABLE_HEADER = f"{'protocol':<20} {'length':>7} {'ppl':>10} {'loss':>8} {'tokens':>10}"
+
+
+def format_row(r: Dict) -> str:
+    return f"{r['protocol']:<20} {r['length']:>7} {r['ppl']:>10.3f} {r['loss']:>8.4f} {r['num_tokens']:>10}"
 
 
 def check_arguments(args, cfg) -> None:
@@ -173,6 +173,7 @@ def evaluate(args, cfg) -> int:
             raise UsageError(str(e)) from e
 
     records, positions, failed, per_token = [], [], [], {}
+    print(TABLE_HEADER, flush=True)  # the table is printed a row at a time, as each is computed
     for length in lengths:
         if limit is not None and length > limit:
             print(f"{PROG}: error: length {length} exceeds the {limit} learned positional embeddings of "
@@ -193,9 +194,8 @@ def evaluate(args, cfg) -> int:
                 per_token[(protocol, length)] = TokenScores.from_spans(spans, scores)
             if protocol == "early-token-cursed" and args.position_wise:
                 positions.extend(position_wise_rows(length, scores))
-            print(format_table(records[-1:]).splitlines()[1], file=sys.stderr, flush=True)
+            print(format_row(records[-1]), flush=True)
 
-    print(format_table(records))
     if args.results_json:
         with open(args.results_json, "w") as f:
             json.dump(records, f, indent=1)
