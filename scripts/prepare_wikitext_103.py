@@ -6,6 +6,7 @@ unpacked ``wiki.{train,valid,test}.tokens``). Running it again reuses every fini
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def parse_args(argv=None):
                    help="where the archive and its unpacked tokens go (default: downloads/)")
     p.add_argument("--dest", type=Path, default=REPO / "data-bin" / "wikitext-103",
                    help="the data-bin to write (default: data-bin/wikitext-103)")
-    p.add_argument("--workers", type=int, default=8, help="fairseq-preprocess workers")
+    p.add_argument("--workers", type=int, default=None,
+                   help=f"fairseq-preprocess workers (default: one per CPU core, {os.cpu_count()} here)")
     p.add_argument("--vocab-size", type=int, default=0,
                    help="keep only the most frequent words (default 0: all ~267k types, as in the papers)")
     return p.parse_args(argv)

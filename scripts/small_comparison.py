@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""The small offline comparison of position encodings: preprocess, train small models, evaluate, tabulate.
+"""The small comparison of position encodings on CPU: preprocess, train small models, evaluate, tabulate.
 
 Reads WikiText-103 ``wiki.{train,valid,test}.tokens`` from ``--wikitext-dir`` (or the
-``WIKITEXT103_DIR`` variable), preprocesses them into ``data-bin/``, trains the ``--models``
+``WIKITEXT103_DIR`` variable); without either it downloads WikiText-103 once into ``downloads/`` and
+reads its sample (the first 2.5 MiB of training text, the complete validation and test splits).
+It preprocesses them into ``data-bin/``, trains the ``--models``
 (by default sinusoidal positions, ALiBi and KERPLE-log) with identical settings on CPU, scores
 the validation split with ``kerple-eval-lm`` under the early-token-cursed and last-token
 protocols at several lengths, prints a perplexity table (also written as markdown and JSON),
@@ -21,21 +23,19 @@ sys.path.insert(0, str(REPO))  # this checkout's kerple_fairseq
 
 from kerple_fairseq.experiments.comparison import CommandFailed  # noqa: E402
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS  # noqa: E402
-from kerple_fairseq.experiments.small_comparison import DEFAULT_MODELS, compare  # noqa: E402
+from kerple_fairseq.experiments.small_comparison import DEFAULT_MODELS, compare, downloaded_sample, stage  # noqa: E402
 from kerple_fairseq.kernels.constraints import PARAMETERIZATIONS  # noqa: E402
-from kerple_fairseq.experiments.wikitext103 import PrepareError, missing_token_files  # noqa: E402
-
-NO_DATA = (
-    "no WikiText-103 tokens directory given: pass --wikitext-dir DIR or set WIKITEXT103_DIR=DIR, "
-    "where DIR holds wiki.train.tokens, wiki.valid.tokens and wiki.test.tokens (the wikitext-103-v1 "
-    "release; offline, the sample in ../shared/data/wikitext-103-sample works)"
-)
+from kerple_fairseq.experiments.wikitext103 import OFFICIAL_URL, PrepareError, missing_token_files  # noqa: E402
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--wikitext-dir", default=os.environ.get("WIKITEXT103_DIR"),
-                   help="directory with wiki.{train,valid,test}.tokens (default: $WIKITEXT103_DIR)")
+                   help="directory with wiki.{train,valid,test}.tokens (default: $WIKITEXT103_DIR; without "
+                   "either, WikiText-103 is downloaded into --download-dir and its sample is read)")
+    p.add_argument("--download-dir", type=Path, default=REPO / "downloads",
+                   help="where WikiText-103 is downloaded and unpacked when no tokens are given (default: downloads/)")
+    p.add_argument("--url", default=OFFICIAL_URL, help=f"where to download it from (default: {OFFICIAL_URL})")
     p.add_argument("--data-bin", type=Path, help="preprocessed output (default: data-bin/<name of the tokens dir>)")
     p.add_argument("--out", type=Path, default=REPO / "runs" / "small-comparison",
                    help="checkpoints, logs and results (default: runs/small-comparison)")
@@ -70,12 +70,11 @@ def fail(message):
 
 def main():
     args = parse_args()
-    if not args.wikitext_dir:
-        fail(NO_DATA)
-    tokens_dir = Path(args.wikitext_dir)
-    missing = missing_token_files(tokens_dir)
-    if missing:
-        fail(f"{tokens_dir} lacks {', '.join(missing)}; " + NO_DATA.split(": ", 1)[1])
+    if args.wikitext_dir:
+        missing = missing_token_files(Path(args.wikitext_dir))
+        if missing:
+            fail(f"{args.wikitext_dir} lacks {', '.join(missing)}: give a directory with wiki.train.tokens, "
+                 "wiki.valid.tokens and wiki.test.tokens (an unpacked wikitext-103-v1.zip), or none to download it")
     if len(set(args.models)) != len(args.models):
         fail("--models names a model twice")
     if len(set(args.seeds)) != len(args.seeds):
@@ -83,6 +82,8 @@ def main():
     if any(n <= 0 for n in [args.train_length, args.updates, args.num_targets, args.num_segments, *args.eval_lengths]):
         fail("--train-length, --updates, --num-targets, --num-segments and --eval-lengths must be positive")
     try:
+        tokens_dir = Path(args.wikitext_dir) if args.wikitext_dir else downloaded_sample(
+            args.url, args.download_dir, log=stage)
         compare(args, tokens_dir, args.data_bin or REPO / "data-bin" / tokens_dir.resolve().name)
     except (PrepareError, CommandFailed) as e:
         fail(str(e))

@@ -10,7 +10,9 @@ import zipfile
 
 import pytest
 
-from kerple_fairseq.experiments.wikitext103 import OFFICIAL_MD5, OFFICIAL_URL, PrepareError, preprocess
+from kerple_fairseq.experiments.small_comparison import downloaded_sample
+from kerple_fairseq.experiments.wikitext103 import (
+    OFFICIAL_MD5, OFFICIAL_URL, SAMPLE_TRAIN_BYTES, PrepareError, preprocess, sample)
 
 from conftest import REPO, run
 
@@ -153,3 +155,45 @@ def test_a_directory_without_the_splits_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     proc = prepare(tmp_path, "--tokens-dir", tmp_path / "empty", check=False)
     assert_one_line_error(proc, "lacks wiki.train.tokens, wiki.valid.tokens, wiki.test.tokens")
+
+
+@pytest.mark.slow
+def test_the_small_comparison_downloads_its_sample_once(tmp_path, server, archive):
+    downloads = tmp_path / "downloads"
+    messages = []
+    tokens = downloaded_sample(f"{server}/wikitext-103-v1.zip", downloads, md5(archive), log=messages.append)
+    assert tokens == downloads / "wikitext-103-sample"
+    with zipfile.ZipFile(archive) as z:
+        for split in ("train", "valid", "test"):
+            expected = z.read(f"wikitext-103/wiki.{split}.tokens")
+            assert (downloads / "wikitext-103" / f"wiki.{split}.tokens").read_bytes() == expected
+            assert (tokens / f"wiki.{split}.tokens").read_bytes() == (
+                expected[:SAMPLE_TRAIN_BYTES] if split == "train" else expected)
+    assert any(str(tokens) in m for m in messages)  # says where the tokens land
+    # a second run needs no network
+    assert downloaded_sample("http://127.0.0.1:9/unreachable.zip", downloads, md5(archive), log=print) == tokens
+
+
+def test_the_sample_cut_from_the_training_split(tmp_path, sample_dir):
+    """The sample in ../shared is the first 2,621,440 bytes of the training split: cut from itself it is
+    unchanged, and a shorter cut is its prefix, with the validation and test splits whole."""
+    whole = sample(sample_dir, tmp_path / "whole")
+    short = sample(sample_dir, tmp_path / "short", train_bytes=1000)
+    for split in ("train", "valid", "test"):
+        source = (sample_dir / f"wiki.{split}.tokens").read_bytes()
+        assert (whole / f"wiki.{split}.tokens").read_bytes() == source
+        assert (short / f"wiki.{split}.tokens").read_bytes() == (source[:1000] if split == "train" else source)
+    assert len(source) and (sample_dir / "wiki.train.tokens").stat().st_size == SAMPLE_TRAIN_BYTES
+
+
+@pytest.mark.slow
+def test_the_small_comparison_without_tokens_or_network_names_both_ways(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "WIKITEXT103_DIR"}
+    proc = run([sys.executable, REPO / "scripts" / "small_comparison.py", "--url", "http://127.0.0.1:9/wikitext-103-v1.zip",
+                "--download-dir", tmp_path / "downloads", "--out", tmp_path / "runs"], check=False, env=env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith("small_comparison: error: cannot download"), proc.stderr
+    assert [line for line in lines if "error" in line] == lines[-1:]
+    for way in ("with network, run this command again", "--wikitext-dir DIR", "WIKITEXT103_DIR=DIR"):
+        assert way in lines[-1]
+    assert not (tmp_path / "runs").exists() and not list((tmp_path / "downloads").iterdir())

@@ -19,11 +19,28 @@ from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.experiments.paths import BIN, SCRIPTS, USER_DIR
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS
 from kerple_fairseq.experiments.recipe import cpu_training_flags
-from kerple_fairseq.experiments.wikitext103 import preprocess
+from kerple_fairseq.experiments.wikitext103 import OFFICIAL_MD5, archive_tokens, preprocess, sample
 
 DEFAULT_MODELS = ["sinusoidal", "alibi", "kerple_log"]  # names in POSITION_ENCODINGS
 
 Run = Tuple[str, int]  # a model's name and the seed it was trained with
+
+
+WITHOUT_DOWNLOAD = ("with network, run this command again; offline, pass --wikitext-dir DIR or set "
+                    "WIKITEXT103_DIR=DIR, where DIR holds wiki.{train,valid,test}.tokens (an unpacked "
+                    "wikitext-103-v1.zip)")
+
+
+def downloaded_sample(url: str, download_dir: Path, md5: str = OFFICIAL_MD5,
+                      log: Callable[[str], None] = print) -> Path:
+    """The comparison's tokens when none are given: WikiText-103's archive from ``url``, downloaded once
+    and md5-checked, unpacked in ``download_dir/wikitext-103``, and the sample cut from it in
+    ``download_dir/wikitext-103-sample`` (the first 2.5 MiB of training text, the complete validation
+    and test splits: the data of the documented results)."""
+    full = archive_tokens(None, url, md5, download_dir, log=log, offline=WITHOUT_DOWNLOAD)
+    tokens = sample(full, download_dir / "wikitext-103-sample")
+    log(f"WikiText-103 is in {full}; the comparison reads its sample, {tokens}")
+    return tokens
 
 
 def run_name(args: argparse.Namespace, name: str, seed: int) -> str:

@@ -6,6 +6,7 @@ interrupted run leaves nothing a later run could mistake for a finished result.
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -24,6 +25,11 @@ OFFICIAL_MD5 = "9ddaacaf6af0710eda8c456decff7832"  # wikitext-103-v1.zip (torcht
 ARCHIVE_NAME = "wikitext-103-v1.zip"
 SPLITS = ("train", "valid", "test")
 STAMP = "kerple-source.json"
+# The small comparison's data: the first 2.5 MiB of the training split (151 articles, 492,503 words,
+# the last line cut) with the complete validation and test splits.
+SAMPLE_TRAIN_BYTES = 2_621_440
+OFFLINE_SOURCES = (f"without network, fetch {ARCHIVE_NAME} elsewhere and pass --archive FILE, or pass "
+                   "--tokens-dir DIR holding wiki.{train,valid,test}.tokens")
 
 
 class PrepareError(Exception):
@@ -59,8 +65,9 @@ def md5sum(path: Path) -> str:
     return digest.hexdigest()
 
 
-def download(url: str, dest: Path, md5: str, log=print) -> None:
-    """Fetch ``url`` into ``dest`` via ``dest.part``; only a complete file with the right md5 is kept."""
+def download(url: str, dest: Path, md5: str, log=print, offline: str = OFFLINE_SOURCES) -> None:
+    """Fetch ``url`` into ``dest`` via ``dest.part``; only a complete file with the right md5 is kept.
+    ``offline`` ends the message of a failed download: how to do without it."""
     part = dest.with_name(dest.name + ".part")
     log(f"downloading {url}")
     try:
@@ -79,9 +86,7 @@ def download(url: str, dest: Path, md5: str, log=print) -> None:
     except (urllib.error.URLError, OSError) as e:
         part.unlink(missing_ok=True)
         reason = getattr(e, "reason", None) or e
-        raise PrepareError(
-            f"cannot download {url} ({reason}); without network, fetch {ARCHIVE_NAME} elsewhere and pass "
-            "--archive FILE, or pass --tokens-dir DIR holding wiki.{train,valid,test}.tokens") from e
+        raise PrepareError(f"cannot download {url} ({reason}); {offline}") from e
     except BaseException:
         part.unlink(missing_ok=True)
         raise
@@ -93,7 +98,7 @@ def download(url: str, dest: Path, md5: str, log=print) -> None:
 
 
 def archive_tokens(archive: Optional[Path], url: str, md5: str, download_dir: Path,
-                   log: Callable[[str], None] = print) -> Path:
+                   log: Callable[[str], None] = print, offline: str = OFFLINE_SOURCES) -> Path:
     """The unpacked tokens of ``archive``, or of ``download_dir``'s archive, downloaded from ``url`` unless
     already there; they are unpacked into ``download_dir/wikitext-103``."""
     if archive is None:
@@ -102,7 +107,7 @@ def archive_tokens(archive: Optional[Path], url: str, md5: str, download_dir: Pa
             log(f"using the archive already downloaded, {archive}")
         else:
             download_dir.mkdir(parents=True, exist_ok=True)
-            download(url, archive, md5, log=log)
+            download(url, archive, md5, log=log, offline=offline)
     elif not archive.is_file():
         raise PrepareError(f"--archive {archive} does not exist")
     return unpack(archive, download_dir / "wikitext-103", md5)
@@ -133,8 +138,30 @@ def unpack(archive: Path, dest: Path, md5: str) -> Path:
     return dest
 
 
-def preprocess(tokens_dir: Path, dest: Path, vocab_size: int = 0, workers: int = 2, log=print) -> bool:
-    """``fairseq-preprocess --only-source`` into ``dest`` via ``dest.partial``.
+def sample(tokens_dir: Path, dest: Path, train_bytes: int = SAMPLE_TRAIN_BYTES) -> Path:
+    """``dest`` holding the first ``train_bytes`` of ``tokens_dir``'s training split and its complete
+    validation and test splits, written via ``dest.partial`` and reused when made from the same files."""
+    files = token_files(tokens_dir)
+    stamp = {"source": str(tokens_dir.resolve()), "train_bytes": train_bytes,
+             "sizes": {s: p.stat().st_size for s, p in files.items()}}
+    if (dest / STAMP).is_file() and json.loads((dest / STAMP).read_text()) == stamp:
+        return dest
+    partial = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    with open(files["train"], "rb") as src:
+        (partial / "wiki.train.tokens").write_bytes(src.read(train_bytes))
+    for split in ("valid", "test"):
+        shutil.copyfile(files[split], partial / f"wiki.{split}.tokens")
+    (partial / STAMP).write_text(json.dumps(stamp))
+    shutil.rmtree(dest, ignore_errors=True)
+    partial.rename(dest)
+    return dest
+
+
+def preprocess(tokens_dir: Path, dest: Path, vocab_size: int = 0, workers: Optional[int] = None, log=print) -> bool:
+    """``fairseq-preprocess --only-source`` into ``dest`` via ``dest.partial``, with ``workers`` processes
+    (default: one per CPU core).
 
     A complete earlier result for the same files and vocabulary is reused (returns False);
     a directory this function did not write is never overwritten.
@@ -151,7 +178,7 @@ def preprocess(tokens_dir: Path, dest: Path, vocab_size: int = 0, workers: int =
     log(f"preprocessing {tokens_dir} into {dest}")
     partial = dest.with_name(dest.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    cmd = [str(BIN / "fairseq-preprocess"), "--only-source", "--workers", str(workers), "--destdir", str(partial),
+    cmd = [str(BIN / "fairseq-preprocess"), "--only-source", "--workers", str(workers or os.cpu_count() or 1), "--destdir", str(partial),
            "--trainpref", str(files["train"]), "--validpref", str(files["valid"]), "--testpref", str(files["test"])]
     if vocab_size:
         cmd += ["--nwordssrc", str(vocab_size)]
