@@ -4,5 +4,5 @@
 #   bash scripts/prepare-wikitext-103.sh --tokens-dir DIR      # offline, from wiki.*.tokens
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-py="$here/../.venv/bin/python"; [ -x "$py" ] || py=python3
+source "$here/python-env.sh"  # ./.venv, set up on the first run
 exec "$py" "$here/prepare_wikitext_103.py" "$@"

@@ -5,5 +5,5 @@
 #   bash scripts/reproduce-wikitext-103.sh --models sinusoidal alibi kerple_log --seeds 1 2 3
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-py="$here/../.venv/bin/python"; [ -x "$py" ] || py=python3
+source "$here/python-env.sh"  # ./.venv, set up on the first run
 exec "$py" "$here/reproduce_wikitext_103.py" "$@"

@@ -7,7 +7,11 @@ if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
 fi
 py=.venv/bin/python
-echo "setup-env: installing into $(pwd)/.venv (fairseq builds from source the first time: ~6 min)" >&2
+if "$py" -c "import fairseq" 2>/dev/null; then
+  echo "setup-env: updating $(pwd)/.venv" >&2
+else
+  echo "setup-env: installing into $(pwd)/.venv (fairseq is built from source unless pip has its wheel cached: up to about 6 min on 2 cores)" >&2
+fi
 "$py" -m pip install -q --upgrade pip setuptools wheel
 # Pinned: an unpinned torch resolves to a multi-GB CUDA build.
 "$py" -m pip install -q "torch==2.13.0" numpy cython

@@ -4,5 +4,5 @@
 #   bash scripts/train-wikitext-103.sh alibi --tiny --cpu-processes 2   # CPU smoke run, two gloo processes
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-py="$here/../.venv/bin/python"; [ -x "$py" ] || py=python3
+source "$here/python-env.sh"  # ./.venv, set up on the first run
 exec "$py" "$here/train_wikitext_103.py" "$@"

@@ -22,9 +22,10 @@ def train_command(data_bin, save_dir, *flags, user_dir="kerple_fairseq"):
 
 def assert_one_line_error(proc, expected, save_dir):
     assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr
-    last = proc.stderr.strip().splitlines()[-1]
-    assert expected in last, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr, proc.stderr[-2000:]
+    # fairseq-train's log lines come before; the error is the one line that says so
+    assert [line for line in proc.stderr.splitlines() if "error" in line.lower()] == [proc.stderr.strip().splitlines()[-1]]
+    assert expected in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
     assert not list(save_dir.glob("*.pt")), "no checkpoint written"
 
 
