@@ -177,6 +177,12 @@ def draw(figure: Callable[[], None], png: str) -> bool:
     return True
 
 
+def panel_title(label: str, kernel: str, attention_window: int) -> str:
+    """A checkpoint's label, with its kernel where the label does not name it, and its window if any."""
+    details = ([] if kernel == label else [f"kernel {kernel}"]) + ([f"window {attention_window}"] if attention_window else [])
+    return f"{label} ({', '.join(details)})" if details else label
+
+
 def analyse_kernels(args, labels, out: str) -> None:
     loaded = [load_kernel(p, label) for p, label in zip(args.path, labels)]
     rows, panels, learned = [], [], []
@@ -185,7 +191,7 @@ def analyse_kernels(args, labels, out: str) -> None:
         for name, values in ck.learned_values().items():
             learned.extend((ck.label, ck.kernel.name, name, head + 1, repr(v)) for head, v in enumerate(values))
             print(f"{ck.label}: {name} = " + ", ".join(f"{v:.4g}" for v in values))
-        panels.append((f"{ck.label} ({ck.kernel.name}{f', window {ck.attention_window}' if ck.attention_window else ''})", curves))
+        panels.append((panel_title(ck.label, ck.kernel.name, ck.attention_window), curves))
         for head, row in enumerate(curves):
             for d, bias in enumerate(row):
                 rows.append((ck.label, ck.kernel.name, head + 1, d, repr(float(bias)),
@@ -253,13 +259,14 @@ def analyse_position_wise(args, labels, out: str) -> None:
             rows.extend((name, p, repr(float(losses[p])), repr(2.0 ** float(losses[p])), int(counts[p]))
                         for p in range(args.length) if counts[p])
             centres, ppl = binned_perplexity(losses, counts, bin_width)
-            series.append((label, name, centres, ppl))
+            series.append((label, name, 2.0 ** losses, centres, ppl))
             mean = float(np.nansum(losses * counts) / counts.sum())
             print(f"{name}: L = {args.length}, perplexity {2 ** mean:.2f} over {int(counts.sum())} tokens; "
                   f"{ppl[0]:.1f} in the first {bin_width} positions, {ppl[-1]:.1f} in the last")
     write_csv(os.path.join(out, "position-wise.csv"), ["model", "position", "loss", "ppl", "count"], rows)
     png = os.path.join(out, "position-wise.png")
-    draw(lambda: figures.position_wise(series, train_lengths, args.length, png), png)
+    first = min(args.length, 64)
+    draw(lambda: figures.position_wise(series, train_lengths, args.length, bin_width, first, png), png)
 
 
 def analyse_receptive_field(args, labels, out: str) -> None:
@@ -287,7 +294,7 @@ def analyse_receptive_field(args, labels, out: str) -> None:
     write_csv(os.path.join(out, "receptive-field.csv"), ["model", "recent_tokens", "share", "cumulative"], rows)
     write_json(os.path.join(out, "receptive-field.json"), summary)
     png = os.path.join(out, "receptive-field.png")
-    draw(lambda: figures.receptive_field(series, args.mass, png), png)
+    draw(lambda: figures.receptive_field(series, args.mass, args.length, args.num_segments, png), png)
 
 
 def analyse_compare(args, labels, out: str) -> None:

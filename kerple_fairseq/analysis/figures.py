@@ -38,19 +38,21 @@ def _save(fig, path: str) -> None:
 
 
 def kernels(panels: List[Tuple[str, np.ndarray]], path: str) -> None:
-    """One panel per checkpoint, one line per head: ``B_h(d)`` against ``d`` (finite part)."""
+    """One panel per checkpoint, one line per head: ``B_h(d)`` against ``d`` (finite part). Each panel
+    has its own bias range: ALiBi's steepest head reaches -512 at 2048 where KERPLE-log's stay above -20."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), sharey=True, squeeze=False)
-    for ax, (label, curves) in zip(axes[0], panels):
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, (title, curves) in zip(axes[0], panels):
         distance = np.arange(curves.shape[1])
         for head, row in enumerate(curves):
             finite = np.isfinite(row)
-            ax.plot(distance[finite], row[finite], lw=1.2, label=f"h{head + 1}")
-        ax.set_title(label)
+            ax.plot(distance[finite], row[finite], lw=1.2, label=f"head {head + 1}")
+        ax.set_title(title, fontsize=10)
         ax.set_xlabel("distance d = i - j")
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, ncol=2 if len(curves) > 4 else 1, loc="best")
     axes[0][0].set_ylabel("bias B_h(d)")
-    axes[0][-1].legend(fontsize=7, ncol=2, loc="lower left")
+    fig.tight_layout()
     _save(fig, path)
 
 
@@ -70,37 +72,51 @@ def effective_length(series: List[Tuple[str, Sequence[Optional[int]]]], xs: np.n
     _save(fig, path)
 
 
-def position_wise(series: List[Tuple[str, str, np.ndarray, np.ndarray]], train_lengths: Sequence[int], length: int,
-                  path: str) -> None:
-    """Binned perplexity by position, ``(model, curve name, centres, ppl)`` per curve; a model's
-    second curve (its windowed reference) is dashed in the same colour."""
+def position_wise(series: List[Tuple[str, str, np.ndarray, np.ndarray, np.ndarray]], train_lengths: Sequence[int],
+                  length: int, bin_width: int, first: int, path: str) -> None:
+    """Perplexity by position in a block, ``(model, curve name, perplexity at each position, bin centres,
+    binned perplexity)`` per curve: left, each of the ``first`` positions (where the early-token curse
+    is); right, all positions in bins of ``bin_width``. A model's second curve (its windowed reference)
+    is dashed in the same colour; dotted: the training lengths."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.8))
+    fig, (early, whole) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1, 1.6]})
     colours = {}
-    for model, name, centres, ppl in series:
+    for model, name, per_position, centres, binned in series:
         reference = model in colours
-        colour = colours.setdefault(model, f"C{len(colours)}")
-        ax.plot(centres, ppl, color=colour, ls="--" if reference else "-", label=name)
-    for n in sorted(set(train_lengths)):
-        ax.axvline(n, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel(f"position in a block of L = {length} (dotted: training length)")
-    ax.set_ylabel("perplexity")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        style = {"color": colours.setdefault(model, f"C{len(colours)}"), "ls": "--" if reference else "-", "label": name}
+        early.plot(np.arange(min(first, len(per_position))), per_position[:first], lw=1.1, **style)
+        whole.plot(centres, binned, **style)
+    for ax in (early, whole):
+        for n in sorted(set(train_lengths)):
+            if ax is whole or n < first:
+                ax.axvline(n, color="grey", lw=0.8, ls=":")
+        ax.grid(alpha=0.3)
+    early.set_title(f"the first {first} positions, each", fontsize=10)
+    early.set_xlabel("position in the block")
+    early.set_ylabel("perplexity")
+    whole.set_title(f"all {length} positions, in bins of {bin_width}", fontsize=10)
+    whole.set_xlabel("position in the block (dotted: training length)")
+    whole.legend(fontsize=8)
+    fig.suptitle(f"Perplexity by position in blocks of L = {length} (early-token-cursed)", fontsize=11)
+    fig.tight_layout()
     _save(fig, path)
 
 
-def receptive_field(series: List[Tuple[str, np.ndarray, int]], mass: float, path: str) -> None:
-    """Cumulative normalized gradient against the number of most recent tokens, ERF marked."""
+def receptive_field(series: List[Tuple[str, np.ndarray, int]], mass: float, length: int, segments: int,
+                    path: str) -> None:
+    """Cumulative normalized gradient against the number of most recent tokens, ERF marked, for the
+    last token of ``segments`` segments of ``length`` tokens."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.8))
+    ax.set_title(f"Gradient of the last prediction's loss over its L = {length} input tokens\n"
+                 f"(mean over {segments} segments)", fontsize=10)
     for label, cumulative, erf in series:
         k = np.arange(1, len(cumulative) + 1)
         (line,) = ax.plot(k, cumulative, label=f"{label} (ERF {erf})")
         ax.plot([erf], [cumulative[erf - 1]], "o", color=line.get_color())
-    ax.axhline(mass, color="grey", lw=0.8, ls=":")
+    ax.axhline(mass, color="grey", lw=0.8, ls=":")  # the ERF: the fewest recent tokens holding this share
     ax.set_xscale("log")
-    ax.set_xlabel("most recent tokens k")
+    ax.set_xlabel(f"most recent tokens k (dot: the ERF, the fewest holding {mass:g} of it, dotted)")
     ax.set_ylabel("cumulative normalized gradient")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
