@@ -2,7 +2,8 @@
 
 Importing fairseq 0.12 calls ``logging.basicConfig(level=DEBUG)`` (in its wav2vec2 classification
 model) and ``basicConfig(level=INFO)`` (in its text-to-speech tasks), which makes every later library
-log line appear in a process that had not set up logging itself, such as kerple-eval-lm's. fairseq 0.12 drives Hydra through APIs that Hydra 1.1+ reports as deprecated (five warnings on every
+log line appear in a process that had not set up logging itself, such as kerple-eval-lm's. fairseq
+0.12 also drives Hydra through APIs that Hydra 1.1+ reports as deprecated (five warnings on every
 configuration), logs "Please install tensorboardX" for its text-to-speech task on import, and scripts
 modules with ``torch.jit.script``, which torch 2.13 reports as deprecated. None of these concern
 language modelling or anything a user can change; each is silenced by its exact text, so other
