@@ -1,15 +1,17 @@
 """The self-attention module of the plugin's decoder layers."""
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from functools import partial
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from fairseq.modules import MultiheadAttention
-from torch import Tensor
+from torch import Tensor, nn
 
 from kerple_fairseq.attention.attend import attend, biased_scores
 from kerple_fairseq.attention.blocks import effective_block_size, query_blocks
 from kerple_fairseq.attention.distance_bias import DistanceBias, DistanceBlockBias
+from kerple_fairseq.attention.layer_bias import LayerBlockBias
 from kerple_fairseq.attention.rotary import RotaryEmbedding
 
 
@@ -20,13 +22,17 @@ class AttentionSetup:
 
     ``block_size``: queries per block for long sequences (0: one block); ``fused``: allow the
     fused backends; ``cache_size``: incremental decoding keeps only this many most recent keys
-    (0: all of them)."""
+    (0: all of them). ``layer_bias`` and ``score_transform`` build a layer's own bias
+    (:class:`~kerple_fairseq.layer_biases.LayerBias`, added to ``bias``) and score transform (DAPE),
+    called once per layer."""
 
     bias: DistanceBias
     rotary: Optional[RotaryEmbedding] = None
     block_size: int = 0
     fused: bool = True
     cache_size: int = 0
+    layer_bias: Optional[Callable[[], nn.Module]] = None
+    score_transform: Optional[Callable[[], Optional[nn.Module]]] = None
 
     def block_size_now(self) -> int:
         return effective_block_size(self.block_size, self.bias.attention_window)
@@ -41,7 +47,8 @@ class BiasedSelfAttention(MultiheadAttention):
     plugin's decoder passes none). The cache has fairseq's layout plus ``positions_seen`` (a
     ``[batch]`` tensor, so beam-search reordering carries it); with ``setup.cache_size = w`` it
     keeps only the last ``w`` keys and values (Sandwich App. B), and the new query then attends
-    as under a window of ``w``.
+    as under a window of ``w``. A layer bias with a per-key state keeps it in the cache as
+    ``prev_bias_state`` ``[batch, heads, keys]``, trimmed and reordered with the keys.
 
     Parameters and state-dict keys are those of :class:`MultiheadAttention`.
     """
@@ -51,6 +58,8 @@ class BiasedSelfAttention(MultiheadAttention):
         super().__init__(embed_dim, num_heads, dropout=dropout, self_attention=True,
                          q_noise=q_noise, qn_block_size=qn_block_size)
         self.setup = setup
+        self.layer_bias = setup.layer_bias() if setup.layer_bias is not None else None
+        self.score_transform = setup.score_transform() if setup.score_transform is not None else None
 
     def forward(
         self,
@@ -74,15 +83,17 @@ class BiasedSelfAttention(MultiheadAttention):
         first_position = int(saved["positions_seen"][0]) if "positions_seen" in saved else 0
         if self.setup.rotary is not None:
             q, k = self.setup.rotary(q, k, offset=first_position)
+        state = None if self.layer_bias is None else self.layer_bias.key_state(query, saved.get("prev_bias_state"))
         if incremental_state is not None:
-            k, v, key_padding_mask = self._update_cache(incremental_state, saved, k, v, key_padding_mask,
-                                                       first_position + num_queries)
+            k, v, key_padding_mask, state = self._update_cache(incremental_state, saved, k, v, key_padding_mask,
+                                                              first_position + num_queries, state)
 
         need_probabilities = need_weights or need_head_weights
         # probabilities and scores are returned for every (query, key): one block over all keys
-        biases = self._block_biases(num_queries, k.size(2), whole_rows=need_probabilities or before_softmax)
+        biases = self._block_biases(num_queries, k.size(2), need_probabilities or before_softmax, first_position,
+                                    state)
         if before_softmax:
-            scores = biased_scores(q, k, biases[0], key_padding_mask)
+            scores = biased_scores(q, k, biases[0], key_padding_mask, self.score_transform)
             return scores.flatten(0, 1), v.flatten(0, 1)
         attended, probabilities = self._attend_block_by_block(q, k, v, biases, key_padding_mask, need_probabilities)
         out = self.out_proj(attended.permute(2, 0, 1, 3).reshape(num_queries, batch, embed_dim))
@@ -97,13 +108,19 @@ class BiasedSelfAttention(MultiheadAttention):
 
         return split_heads(self.q_proj(x) * self.scaling), split_heads(self.k_proj(x)), split_heads(self.v_proj(x))
 
-    def _block_biases(self, num_queries: int, num_keys: int, whole_rows: bool) -> List[DistanceBlockBias]:
+    def _block_biases(self, num_queries: int, num_keys: int, whole_rows: bool, first_position: int,
+                      state: Optional[Tensor]) -> List[DistanceBlockBias]:
         """The bias of each block of queries (:func:`query_blocks`); with ``whole_rows``, one block
-        against every key."""
+        against every key. Query 0 is at absolute position ``first_position``; ``state`` is the layer
+        bias's state of every key."""
         window = self.setup.bias.attention_window
         blocks = query_blocks(num_queries, num_keys, 0 if whole_rows else self.setup.block_size_now(),
                               0 if whole_rows else window)
-        return [self.setup.bias.for_block(block, num_keys, shared=len(blocks) == 1) for block in blocks]
+        biases = [self.setup.bias.for_block(block, num_keys, shared=len(blocks) == 1) for block in blocks]
+        if self.layer_bias is None:
+            return biases
+        return [LayerBlockBias(bias, partial(self.layer_bias.block_bias, bias.block, first_position, state))
+                for bias in biases]
 
     def _attend_block_by_block(self, q: Tensor, k: Tensor, v: Tensor, biases: List[DistanceBlockBias],
                                key_padding_mask: Optional[Tensor], need_probabilities: bool):
@@ -118,18 +135,21 @@ class BiasedSelfAttention(MultiheadAttention):
                 q[:, :, block.query_start:block.query_end], k[:, :, keys], v[:, :, keys], bias,
                 fused=self.setup.fused, dropout=dropout,
                 key_padding_mask=None if key_padding_mask is None else key_padding_mask[:, keys],
-                need_probabilities=need_probabilities)
+                need_probabilities=need_probabilities, score_transform=self.score_transform)
             pieces.append(attended)
         return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)), probabilities
 
     def _update_cache(self, incremental_state, saved: Dict[str, Optional[Tensor]], k: Tensor, v: Tensor,
-                      key_padding_mask: Optional[Tensor], positions_seen: int):
-        """Append the new keys and values to the cache (trimmed to ``setup.cache_size``); returns
-        every key, value and key padding the new queries attend to."""
+                      key_padding_mask: Optional[Tensor], positions_seen: int, state: Optional[Tensor]):
+        """Append the new keys, values and layer-bias states to the cache (trimmed to
+        ``setup.cache_size``); returns every key, value, key padding and state the new queries
+        attend to."""
         num_queries, batch = k.size(2), k.size(0)
         if "prev_key" in saved:
             k = torch.cat([saved["prev_key"], k], dim=2)
             v = torch.cat([saved["prev_value"], v], dim=2)
+            if state is not None:
+                state = torch.cat([saved["prev_bias_state"], state], dim=2)
         key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
             key_padding_mask=key_padding_mask, prev_key_padding_mask=saved.get("prev_key_padding_mask"),
             batch_size=batch, src_len=k.size(2), static_kv=False)
@@ -142,11 +162,15 @@ class BiasedSelfAttention(MultiheadAttention):
             k, v = k[:, :, -size:], v[:, :, -size:]
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask[:, -size:]
+            if state is not None:
+                state = state[:, :, -size:]
         saved["prev_key"], saved["prev_value"] = k, v
+        if state is not None:
+            saved["prev_bias_state"] = state
         saved["prev_key_padding_mask"] = key_padding_mask
         saved["positions_seen"] = torch.full((batch,), positions_seen, dtype=torch.long, device=k.device)
         self._set_input_buffer(incremental_state, saved)
-        return k, v, key_padding_mask
+        return k, v, key_padding_mask, state
 
     @staticmethod
     def _returned_weights(probabilities: Optional[Tensor], per_head: bool) -> Optional[Tensor]:

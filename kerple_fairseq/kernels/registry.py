@@ -1,7 +1,7 @@
 """Name -> kernel class registry, and the command-line options the kernels declare."""
 
 import dataclasses
-from typing import Dict, List, Optional, Type
+from typing import Dict, Iterable, List, Optional, Type
 
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels.base import BiasKernel
@@ -39,10 +39,7 @@ def build_kernel(name: str, num_heads: int, cfg=None, head_dim: Optional[int] = 
             f"unknown bias kernel {name!r}; choose one of: {', '.join(kernel_names())}"
         )
     cls = KERNELS[name]
-    kwargs = {}
-    for f in dataclasses.fields(cls.options) if cls.options else ():
-        value = getattr(cfg, f.name, None) if cfg is not None else None
-        kwargs[f.name] = f.default if value is None else value
+    kwargs = options_from(cls.options, cfg)
     if cls.needs_head_dim:
         if head_dim is None and getattr(cfg, "decoder_embed_dim", None) is not None:
             head_dim = cfg.decoder_embed_dim // num_heads
@@ -52,13 +49,27 @@ def build_kernel(name: str, num_heads: int, cfg=None, head_dim: Optional[int] = 
     return cls(num_heads, **kwargs)
 
 
+def options_from(options: Optional[type], cfg) -> Dict[str, object]:
+    """The constructor arguments for the ``options`` dataclass's fields, read from ``cfg``; a field
+    missing from ``cfg`` (or None there) takes its default."""
+    kwargs = {}
+    for f in dataclasses.fields(options) if options else ():
+        value = getattr(cfg, f.name, None) if cfg is not None else None
+        kwargs[f.name] = f.default if value is None else value
+    return kwargs
+
+
+def declared_fields(classes: Iterable[type]) -> List[dataclasses.Field]:
+    """Every field of the ``options`` dataclasses of ``classes``, each once, in their order."""
+    seen: Dict[str, dataclasses.Field] = {}
+    for cls in classes:
+        for f in dataclasses.fields(cls.options) if cls.options else ():
+            # classes may share one options dataclass, but not declare one flag twice
+            if seen.setdefault(f.name, f) is not f:
+                raise ValueError(f"option {f.name!r} is declared by two options dataclasses")
+    return list(seen.values())
+
+
 def option_fields() -> List[dataclasses.Field]:
     """Every option field declared by a registered kernel, each once, in a stable order."""
-    seen: Dict[str, dataclasses.Field] = {}
-    for name in kernel_names():
-        options = KERNELS[name].options
-        for f in dataclasses.fields(options) if options else ():
-            # kernels may share one options dataclass, but not declare one flag twice
-            if seen.setdefault(f.name, f) is not f:
-                raise ValueError(f"kernel option {f.name!r} is declared by two options dataclasses")
-    return list(seen.values())
+    return declared_fields(KERNELS[name] for name in kernel_names())

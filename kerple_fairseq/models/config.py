@@ -6,7 +6,9 @@ from dataclasses import field
 from fairseq.dataclass import ChoiceEnum
 from fairseq.models.transformer_lm import TransformerLanguageModelConfig
 
+from kerple_fairseq.attention.dape import VARIANTS as DAPE_VARIANTS
 from kerple_fairseq.kernels import kernel_names, option_fields
+from kerple_fairseq.layer_biases import layer_bias_names, layer_bias_option_fields
 
 DEFAULT_BLOCK_SIZE = 1024
 
@@ -15,8 +17,9 @@ def _make_config():
     plugin_fields = [
         (
             "bias_kernel",
-            ChoiceEnum(kernel_names()),
-            field(default="kerple_log", metadata={"help": "positional attention-bias kernel"}),
+            ChoiceEnum(sorted(kernel_names() + layer_bias_names())),
+            field(default="kerple_log", metadata={
+                "help": "positional attention-bias kernel (fire, fox, fox_bias_only: a bias of each layer's own)"}),
         ),
         (
             "token_positional_embeddings",
@@ -91,9 +94,27 @@ def _make_config():
                 },
             ),
         ),
+        (
+            "dape",
+            ChoiceEnum(list(DAPE_VARIANTS)),
+            field(
+                default="none",
+                metadata={
+                    "help": "DAPE: add a learned function of every head's scaled scores and bias to the logits "
+                    "(mlp: per (i, j), DAPE v1; conv: along the keys, DAPE v2); composes with every kernel and "
+                    "rotary; attention then runs on the explicit path, block by block"
+                },
+            ),
+        ),
+        ("dape_width", int, field(default=32, metadata={"help": "DAPE: hidden width of each layer's network"})),
+        (
+            "dape_kernel_size",
+            int,
+            field(default=3, metadata={"help": "DAPE v2 (--dape conv): odd kernel size along the keys"}),
+        ),
     ]
-    # each kernel declares its own options; copy them so this dataclass owns its fields
-    for f in option_fields():
+    # each kernel and layer bias declares its own options; copy them so this dataclass owns its fields
+    for f in option_fields() + layer_bias_option_fields():
         plugin_fields.append((f.name, f.type, field(default=f.default, metadata=dict(f.metadata))))
     return dataclasses.make_dataclass(
         "KernelBiasedLMConfig",

@@ -9,11 +9,13 @@ from fairseq.modules import transformer_layer
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.utils import safe_getattr
 
+from kerple_fairseq.attention.dape import build_score_transform
 from kerple_fairseq.attention.distance_bias import DistanceBias
 from kerple_fairseq.attention.rotary import RotaryEmbedding
 from kerple_fairseq.attention.self_attention import AttentionSetup, BiasedSelfAttention
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels import build_kernel
+from kerple_fairseq.layer_biases import LAYER_BIASES, build_layer_bias
 from kerple_fairseq.models.config import DEFAULT_BLOCK_SIZE
 
 # what max_positions() reports when nothing in the model limits the length
@@ -33,9 +35,20 @@ def replaced(module, name: str, value):
 
 
 def attention_setup(args) -> AttentionSetup:
-    """The decoder's shared bias, rotary embedding and attention options, from its arguments."""
-    head_dim = args.decoder_embed_dim // args.decoder_attention_heads
-    kernel = build_kernel(args.bias_kernel, args.decoder_attention_heads, args, head_dim=head_dim)
+    """The decoder's shared bias, rotary embedding and attention options, and the builders of each
+    layer's own bias and score transform, from its arguments. A layer bias (``--bias-kernel`` naming
+    one of :mod:`kerple_fairseq.layer_biases`) is added to the distance bias of its ``distance_kernel``."""
+    heads = args.decoder_attention_heads
+    head_dim = args.decoder_embed_dim // heads
+    layer_bias = None
+    kernel_name = args.bias_kernel
+    if kernel_name in LAYER_BIASES:
+        layer_bias = partial(build_layer_bias, kernel_name, heads, args.decoder_embed_dim, args)
+        layer_bias()  # options are checked once, before any layer is built
+        kernel_name = LAYER_BIASES[kernel_name].distance_kernel
+    kernel = build_kernel(kernel_name, heads, args, head_dim=head_dim)
+    dape = partial(build_score_transform, safe_getattr(args, "dape", "none"), heads,
+                   safe_getattr(args, "dape_width", 32), safe_getattr(args, "dape_kernel_size", 3))
     block_size = safe_getattr(args, "attention_block_size", DEFAULT_BLOCK_SIZE)
     if block_size < 0:
         raise KernelConfigError(f"--attention-block-size must be >= 0 (0: no blocks), got {block_size}")
@@ -48,6 +61,8 @@ def attention_setup(args) -> AttentionSetup:
         block_size=block_size,
         fused=not safe_getattr(args, "unfused_attention", False),
         cache_size=cache_size,
+        layer_bias=layer_bias,
+        score_transform=dape if dape() is not None else None,
     )
 
 

@@ -11,6 +11,7 @@ from fairseq.utils import safe_getattr
 
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels import KERNELS
+from kerple_fairseq.layer_biases import LAYER_BIASES
 from kerple_fairseq.models.config import KernelBiasedLMConfig
 from kerple_fairseq.models.decoder import KernelBiasedDecoder, replaced
 
@@ -25,7 +26,8 @@ def check_positions(args) -> None:
         raise KernelConfigError(
             "--token-positional-embeddings and --rotary-embeddings are two position encodings; "
             "choose one")
-    if KERNELS[args.bias_kernel].encodes_position and (token_positions or args.rotary_embeddings):
+    method = KERNELS.get(args.bias_kernel) or LAYER_BIASES[args.bias_kernel]
+    if method.encodes_position and (token_positions or args.rotary_embeddings):
         which = "rotary embeddings" if args.rotary_embeddings else "token positional embeddings"
         flag = "--rotary-embeddings" if args.rotary_embeddings else \
             "--token-positional-embeddings (on in the transformer_lm_sinusoidal and transformer_lm_learned_pos " \

@@ -1,0 +1,83 @@
+"""DAPE: a learned function of every head's scores and bias, added to the logits."""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kerple_fairseq.errors import KernelConfigError
+
+#: LeakyReLU's negative slope in the reference (PyTorch's default)
+NEGATIVE_SLOPE = 0.01
+VARIANTS = ("none", "mlp", "conv")
+
+
+class ScoreTransform(nn.Module):
+    """``Z = S + B + g([S; B])`` for one layer: ``S`` the scaled scores ``[batch, H, T, S]``, ``B``
+    the positional bias (``-inf`` at keys a query may not see), ``g`` a small network across the
+    ``2H`` channels of all heads' scores and biases (Zheng et al., "DAPE: Data-Adaptive Positional
+    Encoding for Length Extrapolation", NeurIPS 2024, §3).
+
+    Cells a query may not see (future keys, keys outside a window) are zeroed in ``g``'s input and
+    stay ``-inf`` in ``Z``. The attention passes one block of queries at a time, so no more than
+    one block of ``[batch, 2H, queries, keys]`` exists.
+    """
+
+    def __init__(self, g: nn.Module):
+        super().__init__()
+        self.g = g
+
+    def forward(self, scores: Tensor, bias: Tensor) -> Tensor:
+        visible = torch.isfinite(bias)
+        bias_in = bias.masked_fill(~visible, 0.0).to(scores.dtype).expand_as(scores)
+        features = torch.cat([scores.masked_fill(~visible, 0.0), bias_in], dim=1)
+        return scores + bias + self.g(features)
+
+
+class PerCell(nn.Module):
+    """DAPE (v1): ``Linear(2H, W)``, LeakyReLU, ``Linear(W, H)`` at every ``(i, j)``."""
+
+    def __init__(self, num_heads: int, width: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(2 * num_heads, width), nn.LeakyReLU(NEGATIVE_SLOPE),
+                                 nn.Linear(width, num_heads))
+
+    def forward(self, features: Tensor) -> Tensor:
+        return self.net(features.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class AlongKeys(nn.Module):
+    """DAPE v2: ``Conv2d(2H, W, (1, k))``, LeakyReLU, ``Conv2d(W, H, (1, k))`` along the key axis.
+
+    The key axis is taken as unbounded, with zero input at every cell a query may not see: the
+    hidden layer is evaluated ``k // 2`` cells beyond the block's keys on either side, where it
+    still depends on the nearest visible cells. The reference zero-pads each layer at the edge
+    of the sequence instead, so its last query row (and, under a window, the rows at the window's
+    edge) see zeros where every other row sees hidden values: a token's output then depends on
+    how many tokens follow it. Here it does not, and incremental decoding equals full scoring.
+    """
+
+    def __init__(self, num_heads: int, width: int, kernel_size: int):
+        super().__init__()
+        self.reach = kernel_size // 2
+        self.hidden = nn.Conv2d(2 * num_heads, width, (1, kernel_size), padding=(0, self.reach))
+        self.activation = nn.LeakyReLU(NEGATIVE_SLOPE)
+        self.out = nn.Conv2d(width, num_heads, (1, kernel_size))
+
+    def forward(self, features: Tensor) -> Tensor:
+        hidden = self.activation(self.hidden(F.pad(features, (self.reach, self.reach))))
+        return self.out(hidden)
+
+
+def build_score_transform(variant: str, num_heads: int, width: int = 32, kernel_size: int = 3):
+    """The :class:`ScoreTransform` of ``--dape VARIANT`` for one layer; None for ``none``."""
+    if variant not in VARIANTS:
+        raise KernelConfigError(f"unknown --dape {variant!r}; choose one of: {', '.join(VARIANTS)}")
+    if width < 1:
+        raise KernelConfigError(f"--dape-width must be >= 1, got {width}")
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise KernelConfigError(f"--dape-kernel-size must be odd and >= 1 (the output keeps the key axis's "
+                                f"length), got {kernel_size}")
+    if variant == "none":
+        return None
+    g = PerCell(num_heads, width) if variant == "mlp" else AlongKeys(num_heads, width, kernel_size)
+    return ScoreTransform(g)
