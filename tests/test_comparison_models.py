@@ -21,8 +21,12 @@ POSITION_ENCODINGS = {
     "t5": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "t5"],
     "alibi": ["--arch", "transformer_lm_alibi{size}"],
     "kerple_log": ["--arch", "transformer_lm_kerple{size}"],
+    "fire": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "fire"],
+    "fox": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "fox"],
+    "dape_alibi": ["--arch", "transformer_lm_alibi{size}", "--dape", "mlp"],
+    "dape_kerple_log": ["--arch", "transformer_lm_kerple{size}", "--dape", "mlp"],
 }
-POSITION_PARAMETERS = ("embed_positions.", "attention_bias.kernel.")
+POSITION_PARAMETERS = ("embed_positions.", "attention_bias.kernel.", "self_attn.layer_bias.", "self_attn.score_transform.")
 
 
 def build(name, size, flags, task):
@@ -59,6 +63,12 @@ def assert_differ_only_in_position(models):
     encoded = {name: position_parameters(model) for name, model in models.items()}
     assert encoded["nope"] == encoded["alibi"] == encoded["rotary"] == encoded["sinusoidal"] == 0
     assert encoded["kerple_log"] == 2 * heads and encoded["t5"] == 32 * heads and encoded["learned"] > 0
+    layers, width = len(models["alibi"].decoder.layers), models["alibi"].decoder.embed_dim
+    # per layer: FIRE's Linear(1, 32), Linear(32, H), c and m; FoX's Linear(E, H); DAPE's Linear(2H, 32), Linear(32, H)
+    assert encoded["fire"] == layers * (2 * 32 + 32 * heads + heads + 2)
+    assert encoded["fox"] == layers * (width * heads + heads)
+    dape = layers * (2 * heads * 32 + 32 + 32 * heads + heads)
+    assert encoded["dape_alibi"] == dape and encoded["dape_kerple_log"] == dape + 2 * heads
 
 
 def test_compared_models_are_among_those_checked_here():

@@ -4,6 +4,7 @@ loss, and the checkpoint reloads and evaluates at 8x the training length with ke
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -51,3 +52,37 @@ def test_trains_with_falling_loss_and_evaluates_at_8x_the_training_length(data_b
     assert set(records) == {TRAIN_LENGTH, 8 * TRAIN_LENGTH}
     assert all(math.isfinite(r["ppl"]) and r["num_tokens"] > 8 * TRAIN_LENGTH for r in records.values())
     assert records[8 * TRAIN_LENGTH]["train_length"] == TRAIN_LENGTH
+
+
+@pytest.mark.parametrize("kernel", ["fire", "fox", "fox_bias_only"])
+def test_kernel_curves_effective_lengths_and_receptive_field_of_each_layer(data_bin, tmp_path, kernel, capsys):
+    """kerple-analyze draws a layer bias per layer and head: FIRE's row of the query at the largest
+    distance, FoX's mean forget-gate decay over the split's inputs (which it needs: --data)."""
+    import csv
+
+    from kerple_fairseq.analysis.cli import cli_main
+    from kerple_fairseq.analysis.kernel_curves import load_kernel
+
+    train_in_process(data_bin, tmp_path, 4, "--arch", "transformer_lm_kerple", *SIZE, "--bias-kernel", kernel)
+    checkpoint = str(tmp_path / "checkpoint_last.pt")
+    if kernel == "fox":
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["kernels", "--path", checkpoint, "--out", str(tmp_path / "a")])
+        assert exit_info.value.code == 1
+        assert "depends on the input: give --data DIR" in capsys.readouterr().err
+    for analysis in ("kernels", "effective-length"):
+        cli_main([analysis, "--path", checkpoint, "--labels", kernel, "--data", str(data_bin),
+                  "--max-distance", "256", "--out", str(tmp_path / "a")])
+    rows = list(csv.DictReader(open(tmp_path / "a" / "kernels.csv")))
+    assert {(r["layer"], r["head"]) for r in rows} == {(str(l), str(h)) for l in (1, 2) for h in (1, 2, 3, 4)}
+    curves = load_kernel(checkpoint, kernel, str(data_bin)).curves(256)
+    assert curves.shape == (8, 257) and np.isfinite(curves).all() and (curves[:, 0] == 0).all()
+    if kernel != "fire":  # d * mean(log f): a straight line down from 0
+        slopes = curves[:, 1]
+        assert (slopes < 0).all()
+        np.testing.assert_allclose(curves, slopes[:, None] * np.arange(257), rtol=1e-5)
+    lengths = list(csv.DictReader(open(tmp_path / "a" / "effective-length.csv")))
+    assert len(lengths) == 8
+    cli_main(["receptive-field", str(data_bin), "--path", checkpoint, "--length", "128", "--num-segments", "2",
+              "--cpu", "--no-progress-bar", "--out", str(tmp_path / "a")])
+    assert (tmp_path / "a" / "receptive-field.json").is_file()

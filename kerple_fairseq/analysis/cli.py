@@ -69,10 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--cpu", action="store_true", help="run on the CPU even where CUDA is available")
     data.add_argument("--no-progress-bar", action="store_true", help="no progress bar")
 
+    layer_inputs = argparse.ArgumentParser(add_help=False)
+    layer_inputs.add_argument("--data", metavar="DIR",
+                              help="data-bin for a bias that depends on the input (fox): its mean curves are taken "
+                              "over the layers' inputs for the split's first tokens")
+    layer_inputs.add_argument("--gen-subset", default="valid", metavar="SPLIT", help="that split (default: valid)")
+
     sub = parser.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
-    kernels = sub.add_parser("kernels", parents=[checkpoints], help="each head's bias B_h(d) (KERPLE §5.4)")
+    kernels = sub.add_parser("kernels", parents=[checkpoints, layer_inputs],
+                             help="each head's bias B_h(d) (KERPLE §5.4); per layer for fire and fox")
     kernels.add_argument("--max-distance", type=positive_int, default=2048, help="largest d drawn (default: 2048)")
-    effective = sub.add_parser("effective-length", parents=[checkpoints],
+    effective = sub.add_parser("effective-length", parents=[checkpoints, layer_inputs],
                                help="heads whose bias falls below the threshold by distance x (KERPLE A.5)")
     effective.add_argument("--max-distance", type=positive_int, default=20480,
                            help="x runs over 0..max-distance (default: 20480, as in KERPLE Fig. 6)")
@@ -177,28 +184,36 @@ def draw(figure: Callable[[], None], png: str) -> bool:
     return True
 
 
-def panel_title(label: str, kernel: str, attention_window: int) -> str:
-    """A checkpoint's label, with its kernel where the label does not name it, and its window if any."""
+def panel_title(label: str, kernel: str, attention_window: int, description: str = "") -> str:
+    """A checkpoint's label, with its kernel where the label does not name it, its window if any, and
+    what its curves show where that needs saying."""
     details = ([] if kernel == label else [f"kernel {kernel}"]) + ([f"window {attention_window}"] if attention_window else [])
+    details += [description] if description else []
     return f"{label} ({', '.join(details)})" if details else label
 
 
+def curve_label(layer, head: int) -> str:
+    """``head h``, or ``layer l head h`` for a bias of each layer's own."""
+    return f"head {head}" if layer == "" else f"layer {layer} head {head}"
+
+
 def analyse_kernels(args, labels, out: str) -> None:
-    loaded = [load_kernel(p, label) for p, label in zip(args.path, labels)]
+    loaded = [load_kernel(p, label, args.data, args.gen_subset) for p, label in zip(args.path, labels)]
     rows, panels, learned = [], [], []
     for ck in loaded:
         curves, weights = ck.curves(args.max_distance), ck.weight_curves(args.max_distance)
         for name, values in ck.learned_values().items():
-            learned.extend((ck.label, ck.kernel.name, name, head + 1, repr(v)) for head, v in enumerate(values))
+            learned.extend((ck.label, ck.name, name, head + 1, repr(v)) for head, v in enumerate(values))
             print(f"{ck.label}: {name} = " + ", ".join(f"{v:.4g}" for v in values))
-        panels.append((panel_title(ck.label, ck.kernel.name, ck.attention_window), curves))
-        for head, row in enumerate(curves):
+        title = panel_title(ck.label, ck.name, ck.attention_window, ck.description(args.max_distance))
+        panels.append((title, curves, [curve_label(*key) for key in ck.curve_keys()]))
+        for index, ((layer, head), row) in enumerate(zip(ck.curve_keys(), curves)):
             for d, bias in enumerate(row):
-                rows.append((ck.label, ck.kernel.name, head + 1, d, repr(float(bias)),
-                             "" if weights is None else repr(float(weights[head, d]))))
-        print(f"{ck.label}: {ck.kernel.name}, {len(curves)} heads, B_h({args.max_distance}) = "
+                rows.append((ck.label, ck.name, layer, head, d, repr(float(bias)),
+                             "" if weights is None else repr(float(weights[index, d]))))
+        print(f"{ck.label}: {ck.name}, {len(curves)} curves, B({args.max_distance}) = "
               + ", ".join(f"{v:.3g}" for v in curves[:, -1]))
-    write_csv(os.path.join(out, "kernels.csv"), ["model", "kernel", "head", "distance", "bias", "weight"], rows)
+    write_csv(os.path.join(out, "kernels.csv"), ["model", "kernel", "layer", "head", "distance", "bias", "weight"], rows)
     if learned:
         write_csv(os.path.join(out, "kernel-parameters.csv"), ["model", "kernel", "parameter", "head", "value"], learned)
     png = os.path.join(out, "kernels.png")
@@ -206,17 +221,18 @@ def analyse_kernels(args, labels, out: str) -> None:
 
 
 def analyse_effective_length(args, labels, out: str) -> None:
-    loaded = [load_kernel(p, label) for p, label in zip(args.path, labels)]
+    loaded = [load_kernel(p, label, args.data, args.gen_subset) for p, label in zip(args.path, labels)]
     xs = np.arange(args.max_distance + 1)
     rows, series, counts = [], [], []
     for ck in loaded:
         lengths = effective_lengths(ck.curves(args.max_distance), args.threshold)
         series.append((ck.label, lengths))
         counts.append(heads_within(lengths, xs))
-        rows.extend((ck.label, ck.kernel.name, head + 1, "" if n is None else n) for head, n in enumerate(lengths))
+        rows.extend((ck.label, ck.name, layer, head, "" if n is None else n)
+                    for (layer, head), n in zip(ck.curve_keys(), lengths))
         print(f"{ck.label}: effective lengths (B < {args.threshold:g}) "
               + ", ".join("> max" if n is None else str(n) for n in lengths))
-    write_csv(os.path.join(out, "effective-length.csv"), ["model", "kernel", "head", "effective_length"], rows)
+    write_csv(os.path.join(out, "effective-length.csv"), ["model", "kernel", "layer", "head", "effective_length"], rows)
     png = os.path.join(out, "effective-length.png")
     draw(lambda: figures.effective_length(series, xs, counts, args.threshold, png), png)
 

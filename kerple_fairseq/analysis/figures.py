@@ -37,16 +37,17 @@ def _save(fig, path: str) -> None:
     os.replace(partial, path)
 
 
-def kernels(panels: List[Tuple[str, np.ndarray]], path: str) -> None:
-    """One panel per checkpoint, one line per head: ``B_h(d)`` against ``d`` (finite part). Each panel
-    has its own bias range: ALiBi's steepest head reaches -512 at 2048 where KERPLE-log's stay above -20."""
+def kernels(panels: List[Tuple[str, np.ndarray, List[str]]], path: str) -> None:
+    """One panel per checkpoint, one line per curve (head, or layer and head): ``B(d)`` against ``d``
+    (finite part), with the curves' labels. Each panel has its own bias range: ALiBi's steepest head
+    reaches -512 at 2048 where KERPLE-log's stay above -20."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, (title, curves) in zip(axes[0], panels):
+    for ax, (title, curves, labels) in zip(axes[0], panels):
         distance = np.arange(curves.shape[1])
-        for head, row in enumerate(curves):
+        for label, row in zip(labels, curves):
             finite = np.isfinite(row)
-            ax.plot(distance[finite], row[finite], lw=1.2, label=f"head {head + 1}")
+            ax.plot(distance[finite], row[finite], lw=1.2, label=label)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("distance d = i - j")
         ax.grid(alpha=0.3)

@@ -7,7 +7,7 @@ for every ``x`` gives KERPLE's Figure 6b.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -16,6 +16,8 @@ from kerple_fairseq.errors import KernelConfigError, UsageError
 from kerple_fairseq.evaluation.loading import load_checkpoint_state
 from kerple_fairseq.kernels import BiasKernel, build_kernel
 from kerple_fairseq.attention.distance_bias import DistanceBias
+from kerple_fairseq.analysis.layer_bias_curves import load_layer_biases
+from kerple_fairseq.layer_biases import LAYER_BIASES
 
 KERNEL_PREFIX = "decoder.attention_bias.kernel."
 EFFECTIVE_LENGTH_THRESHOLD = -2.0
@@ -28,6 +30,17 @@ class CheckpointKernel:
     attention_window: int  # 0: none
     num_layers: int
     train_length: int
+
+    @property
+    def name(self) -> str:
+        return self.kernel.name
+
+    def curve_keys(self) -> List[Tuple[str, int]]:
+        """``(layer, head)`` of each curve: the kernel is every layer's ("")."""
+        return [("", head + 1) for head in range(self.kernel.num_heads)]
+
+    def description(self, max_distance: int) -> str:
+        return ""
 
     def curves(self, max_distance: int) -> np.ndarray:
         """``[heads, max_distance + 1]`` float64 copy of the float32 ``B_h(d)``, ``-inf`` from the window on."""
@@ -49,8 +62,11 @@ class CheckpointKernel:
             return DistanceBias(self.kernel, self.attention_window).weight_per_distance(max_distance + 1).double().numpy()
 
 
-def load_kernel(path: str, label: str) -> CheckpointKernel:
-    """The kernel of a kerple_fairseq checkpoint with its trained parameters; needs no data-bin."""
+def load_kernel(path: str, label: str, data: Optional[str] = None, split: str = "valid"):
+    """The kernel of a kerple_fairseq checkpoint with its trained parameters (a
+    :class:`CheckpointKernel`), or its layers' biases
+    (:class:`~kerple_fairseq.analysis.layer_bias_curves.CheckpointLayerBiases`); only a bias that
+    depends on the input needs ``data``, the data-bin whose ``split`` gives it."""
     state = load_checkpoint_state(path)
     cfg = state.get("cfg")
     model_cfg = cfg["model"] if cfg is not None else None
@@ -59,6 +75,9 @@ def load_kernel(path: str, label: str) -> CheckpointKernel:
         arch = getattr(model_cfg, "_name", None) or getattr(model_cfg, "arch", "unknown")
         raise UsageError(f"{path} is not a kerple_fairseq checkpoint (architecture {arch}); kernel analyses "
                          "need a model trained with --user-dir kerple_fairseq")
+    train_length = int(cfg["task"].tokens_per_sample)
+    if name in LAYER_BIASES:
+        return load_layer_biases(path, label, state, model_cfg, train_length, data, split)
     try:
         kernel = build_kernel(name, model_cfg.decoder_attention_heads, model_cfg)
         weights = {k[len(KERNEL_PREFIX):]: v.float() if v.is_floating_point() else v
@@ -67,7 +86,7 @@ def load_kernel(path: str, label: str) -> CheckpointKernel:
     except (KernelConfigError, RuntimeError) as e:
         raise UsageError(f"cannot rebuild the {name} kernel of {path}: {str(e).splitlines()[0]}") from e
     return CheckpointKernel(label, kernel.eval(), int(getattr(model_cfg, "attn_window", 0) or 0),
-                            int(model_cfg.decoder_layers), int(cfg["task"].tokens_per_sample))
+                            int(model_cfg.decoder_layers), train_length)
 
 
 def effective_lengths(curves: np.ndarray, threshold: float = EFFECTIVE_LENGTH_THRESHOLD) -> List[Optional[int]]:

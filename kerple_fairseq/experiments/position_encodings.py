@@ -5,6 +5,7 @@ checks it), at the small comparison's size or on ALiBi's WikiText-103 model."""
 from typing import List, NamedTuple, Tuple
 
 from kerple_fairseq.kernels import kernel_names
+from kerple_fairseq.layer_biases import layer_bias_names
 
 
 class PositionEncoding(NamedTuple):
@@ -24,6 +25,10 @@ POSITION_ENCODINGS = {
     "t5": PositionEncoding("T5", "kerple", ("--bias-kernel", "t5")),
     "alibi": PositionEncoding("ALiBi", "alibi"),
     "kerple_log": PositionEncoding("KERPLE-log", "kerple"),
+    "fire": PositionEncoding("FIRE", "kerple", ("--bias-kernel", "fire")),
+    "fox": PositionEncoding("FoX", "kerple", ("--bias-kernel", "fox")),
+    "dape_alibi": PositionEncoding("DAPE-ALiBi", "alibi", ("--dape", "mlp")),
+    "dape_kerple_log": PositionEncoding("DAPE-KERPLE-log", "kerple", ("--dape", "mlp")),
 }
 # learned positions are not among them: they cannot be evaluated beyond the training length
 
@@ -33,7 +38,8 @@ def position_encoding(name: str) -> PositionEncoding:
     ``ValueError`` naming the choices for anything else."""
     if name in POSITION_ENCODINGS:
         return POSITION_ENCODINGS[name]
-    if name in kernel_names():
+    kernels = kernel_names() + layer_bias_names()
+    if name in kernels:
         return PositionEncoding(name, "kerple", ("--bias-kernel", name))
     raise ValueError(f"unknown model {name!r}: choose a position encoding ({', '.join(POSITION_ENCODINGS)}) "
-                     f"or a bias kernel ({', '.join(kernel_names())})")
+                     f"or a bias kernel ({', '.join(kernels)})")

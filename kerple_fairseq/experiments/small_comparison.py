@@ -104,8 +104,8 @@ def analyse(args: argparse.Namespace, data_bin: Path, checkpoints: Dict[Run, Pat
     analyses = [
         ["extrapolation", "--path", *(c.parent / "eval.json" for c in checkpoints.values()), *every_run],
         ["compare", "--path", *(c.parent / "per-token.npz" for c in checkpoints.values()), *every_run],
-        ["kernels", *paths, "--max-distance", max(args.eval_lengths)],
-        ["effective-length", *paths],
+        ["kernels", *paths, "--max-distance", max(args.eval_lengths), "--data", data_bin],
+        ["effective-length", *paths, "--data", data_bin],
         ["position-wise", *on_data, *paths, "--windowed-reference"],
         ["receptive-field", *on_data, *paths, "--num-segments", args.num_segments],
     ]

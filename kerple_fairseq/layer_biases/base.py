@@ -57,6 +57,19 @@ class LayerBias(nn.Module):
         keys a query may not see are ignored."""
         raise NotImplementedError
 
+    #: :meth:`curves` needs the layer's inputs (the bias depends on content)
+    curves_need_inputs: ClassVar[bool] = False
+
+    def curves(self, max_distance: int, inputs: Optional[Tensor] = None) -> Tensor:
+        """``[heads, max_distance + 1]`` float32: the bias on a key ``d = 0 .. max_distance`` positions
+        before a query, as the analyses draw a kernel; ``inputs`` ``[T, batch, embed_dim]``: inputs of
+        the layer, for a bias that depends on them."""
+        raise NotImplementedError
+
+    def curves_description(self, max_distance: int) -> str:
+        """What :meth:`curves` shows, for figure titles."""
+        return ""
+
     def extra_repr(self) -> str:
         return f"{self.name}, heads={self.num_heads}"
 

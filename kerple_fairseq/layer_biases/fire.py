@@ -77,6 +77,17 @@ class FireBias(LayerBias):
         hidden = F.relu(F.linear(u[..., None], self.hidden.weight.to(u.dtype), self.hidden.bias.to(u.dtype)))
         return F.linear(hidden, self.out.weight.to(u.dtype), self.out.bias.to(u.dtype)).permute(2, 0, 1)
 
+    def curves(self, max_distance: int, inputs: Optional[Tensor] = None) -> Tensor:
+        """The row of the query at position ``i = max_distance``: ``b_h(i, i - d) - b_h(i, i)`` for
+        ``d = 0 .. i`` (relative to the query's own key: softmax ignores a row's constant)."""
+        with torch.no_grad():
+            row = self.block_bias(QueryBlock(0, 1, 0, max_distance + 1, max_distance), max_distance, None)[:, 0]
+        row = row.flip(-1).float()
+        return row - row[:, :1]
+
+    def curves_description(self, max_distance: int) -> str:
+        return f"query at i = {max_distance}, relative to d = 0"
+
     def block_bias(self, block: QueryBlock, first_position: int, state: Optional[Tensor]) -> Tensor:
         # float32 (float64 for a float64 module), whatever the model's dtype
         dtype = torch.float64 if self.c.dtype == torch.float64 else torch.float32

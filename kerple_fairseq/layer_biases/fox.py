@@ -19,9 +19,22 @@ class ForgetGates(LayerBias):
     (float64 in a float64 model); the state kept per key is ``c``, so incremental decoding extends
     it from the cached value of the last position."""
 
+    curves_need_inputs = True
+
     def gate_logits(self, x: Tensor) -> Tensor:
         """``[batch, heads, T]`` logits of the forget gates for the layer input ``x`` ``[T, batch, E]``."""
         raise NotImplementedError
+
+    def curves(self, max_distance: int, inputs: Optional[Tensor] = None) -> Tensor:
+        """``d`` times the mean log forget gate of each head over ``inputs``: the mean decay."""
+        if inputs is None:
+            raise ValueError(f"the {self.name} bias depends on the layer's inputs: give them")
+        with torch.no_grad():
+            mean = F.logsigmoid(self.gate_logits(inputs).float()).mean(dim=(0, 2))
+        return mean[:, None] * torch.arange(max_distance + 1, dtype=torch.float32)
+
+    def curves_description(self, max_distance: int) -> str:
+        return "mean forget-gate decay"
 
     def key_state(self, x: Tensor, previous: Optional[Tensor]) -> Tensor:
         logits = self.gate_logits(x)
@@ -61,9 +74,17 @@ class ForgetBiasOnly(ForgetGates):
     head and layer (Lin et al., ICLR 2025, the "bias-only" gate). ``b`` starts at 0, as in the
     reference (slope ``log 2``)."""
 
+    curves_need_inputs = False
+
     def __init__(self, num_heads: int, embed_dim: int):
         super().__init__(num_heads, embed_dim)
         self.gate_bias = nn.Parameter(torch.zeros(num_heads))
+
+    def curves(self, max_distance: int, inputs: Optional[Tensor] = None) -> Tensor:
+        return super().curves(max_distance, torch.zeros(1, 1, self.embed_dim))
+
+    def curves_description(self, max_distance: int) -> str:
+        return "learned decay"
 
     def gate_logits(self, x: Tensor) -> Tensor:
         return self.gate_bias[None, :, None].expand(x.size(1), -1, x.size(0))
