@@ -36,3 +36,19 @@ def test_quick_benchmark_reports_ratios_to_none(tmp_path):
     generation = results["generation"]
     assert [(r["cache"], r["tokens"]) for r in generation] == [(128, 256), (128, 512), (0, 256), (0, 512)]
     assert all(r["tokens_per_s"] > 0 for r in generation)
+
+
+def test_models_name_a_kernel_and_optionally_dape_over_it():
+    import argparse
+
+    from kerple_fairseq.experiments.benchmark import build, model_flags
+
+    args = argparse.Namespace(layers=1, width=32, heads=4, lengths=[128], memory_lengths=[], model_args=[], vocab=50)
+    flags = model_flags("alibi+dape", args)
+    assert flags[:6] == ["--arch", "transformer_lm_kerple", "--bias-kernel", "alibi", "--dape", "mlp"]
+    assert model_flags("fire+dape-conv", args)[3:6] == ["fire", "--dape", "conv"]
+    assert "--dape" not in model_flags("fox", args)
+    model = build("kerple_log+dape-conv", args, "cpu")
+    assert model.decoder.layers[0].self_attn.score_transform is not None
+    with pytest.raises(ValueError, match="unknown model 'alibi\\+rope'"):
+        model_flags("alibi+rope", args)
