@@ -301,8 +301,12 @@ def test_readme_lists_every_kernel_and_option():
     from kerple_fairseq.kernels import option_fields
 
     readme = (REPO / "README.md").read_text()
-    for name in KERNELS:
+    from kerple_fairseq.layer_biases import LAYER_BIASES, layer_bias_option_fields
+
+    for name in [*KERNELS, *LAYER_BIASES, "--dape mlp", "--dape conv"]:
         assert f"| `{name}` |" in readme, f"README's kernel table lacks {name}"
-    for f in option_fields():
+    for f in option_fields() + layer_bias_option_fields():
         flag = "--" + f.name.replace("_", "-")
+        assert flag in readme, f"README does not mention {flag}"
+    for flag in ("--dape-width", "--dape-kernel-size"):
         assert flag in readme, f"README does not mention {flag}"
