@@ -293,11 +293,14 @@ def test_fox_attends_long_sequences_one_block_at_a_time(monkeypatch):
     assert len(shapes) == 2 * 5  # two layers, five blocks each
 
 
-@pytest.mark.parametrize("kernel", sorted(LAYER_BIASES))
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [(name, []) for name in sorted(LAYER_BIASES)]
+                         + [("alibi", ["--dape", "mlp"]), ("kerple_log", ["--dape", "conv"])], ids=method_id)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_at_long_lengths_is_finite_and_close(kernel, dtype):
+def test_half_precision_at_long_lengths_is_finite_and_close(case, dtype):
+    kernel, flags = case
     torch.manual_seed(0)
-    model = tiny_model(kernel).eval()
+    model = tiny_model(kernel, *flags).eval()
     tokens = tokens_of(1, 2048)
     with torch.no_grad():
         full = torch.log_softmax(model(tokens)[0].float(), dim=-1)
