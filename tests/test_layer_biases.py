@@ -317,3 +317,19 @@ def test_half_precision_at_long_lengths_is_finite_and_close(case, dtype):
 def test_bad_options_are_clear_errors(flags, message):
     with pytest.raises(KernelConfigError, match=message):
         tiny_model(*flags[1:2], *flags[2:])
+
+
+def test_fire_keeps_frozen_blocks_and_notices_new_parameter_values():
+    torch.manual_seed(0)
+    fire = FireBias(2, 8, fire_threshold=4.0)
+    block = QueryBlock(0, 16, 0, 16, 0)
+    with torch.no_grad():
+        first = fire.block_bias(block, 0, None)
+        assert fire.block_bias(block, 0, None) is first, "kept while frozen"
+        fire.out.bias.add_(1.0)  # as an optimiser writes
+        moved = fire.block_bias(block, 0, None)
+    torch.testing.assert_close(moved, first + 1.0)
+    assert fire.block_bias(block, 0, None).requires_grad, "training computes every block, with its gradient"
+    with torch.no_grad():
+        large = QueryBlock(0, 1024, 0, 2048, 1024)
+        assert fire.block_bias(large, 0, None) is not fire.block_bias(large, 0, None), "large blocks are not kept"

@@ -1,7 +1,7 @@
 """FIRE: a learned function of the distance normalised by the query's position."""
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +11,9 @@ from kerple_fairseq.attention.blocks import QueryBlock
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.layer_biases.base import LayerBias, register_layer_bias
 
+#: blocks kept while the parameters are frozen, and the largest kept (one block of 1024 queries and keys)
+FROZEN_BLOCKS = 2
+FROZEN_CELLS = 1 << 20
 #: added to the normaliser, as in the reference
 NORMALISER_EPS = 1e-6
 #: cells of ``queries x keys x width`` evaluated at once without autograd (bounds the MLP's temporary)
@@ -61,6 +64,7 @@ class FireBias(LayerBias):
         self.c = nn.Parameter(torch.tensor(0.1))
         self.threshold_multiplier = nn.Parameter(torch.tensor(1.0))
         self.register_buffer("threshold_base", torch.tensor(float(fire_threshold)))
+        self._frozen: Dict[Tuple, Tensor] = {}
 
     def threshold(self) -> Tensor:
         return (self.threshold_multiplier * self.threshold_base).abs()
@@ -89,6 +93,23 @@ class FireBias(LayerBias):
         return f"query at i = {max_distance}, relative to d = 0"
 
     def block_bias(self, block: QueryBlock, first_position: int, state: Optional[Tensor]) -> Tensor:
+        """Computed for each block while the parameters learn; while they are frozen (evaluation), the
+        last few blocks of up to :data:`FROZEN_CELLS` cells are kept, keyed on the block's geometry and
+        the parameters' values (which optimisers overwrite in place)."""
+        if (torch.is_grad_enabled() and self.c.requires_grad) or block.num_queries * block.num_keys > FROZEN_CELLS:
+            return self._block_bias(block, first_position)
+        values = tuple(tuple(p.detach().flatten().tolist()) for p in self.parameters())
+        key = (block.num_queries, block.num_keys, block.offset, first_position + block.query_start, self.c.dtype,
+               self.c.device, self.threshold_base.item(), values)
+        bias = self._frozen.pop(key, None)
+        if bias is None:
+            bias = self._block_bias(block, first_position)
+        self._frozen[key] = bias  # the most recent last
+        while len(self._frozen) > FROZEN_BLOCKS:
+            self._frozen.pop(next(iter(self._frozen)))
+        return bias
+
+    def _block_bias(self, block: QueryBlock, first_position: int) -> Tensor:
         # float32 (float64 for a float64 module), whatever the model's dtype
         dtype = torch.float64 if self.c.dtype == torch.float64 else torch.float32
         t = torch.arange(block.num_queries, device=self.c.device, dtype=dtype)
