@@ -23,11 +23,14 @@ def test_each_kernel_panel_has_its_own_range_and_legend(drawn):
     d = np.arange(2049, dtype=float)
     alibi = -np.array([0.25, 0.0625]).reshape(2, 1) * d
     kerple_log = -np.array([2.0, 1.5]).reshape(2, 1) * np.log1p(0.7 * d)  # -15.6 ... 0
-    figures.kernels([("alibi", alibi), ("kerple_log", kerple_log)], "unused.png")
+    heads = ["head 1", "head 2"]
+    figures.kernels([("alibi", alibi, heads), ("kerple_log", kerple_log, ["layer 1 head 1", "layer 2 head 1"])],
+                    "unused.png")
     left, right = drawn[0].axes
     assert left.get_ylim()[0] < -500 and right.get_ylim()[0] > -20  # KERPLE-log's curves fill their panel
     assert right.get_ylim()[0] < kerple_log.min() and right.get_ylim()[1] > 0
-    assert [len(ax.get_legend().get_texts()) for ax in (left, right)] == [2, 2]
+    assert [[t.get_text() for t in ax.get_legend().get_texts()] for ax in (left, right)] == [
+        heads, ["layer 1 head 1", "layer 2 head 1"]]
     assert [ax.get_title() for ax in (left, right)] == ["alibi", "kerple_log"]
 
 
