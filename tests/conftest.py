@@ -3,6 +3,7 @@ models trained on it."""
 
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -125,6 +126,13 @@ def train_in_process(data_bin, save_dir, updates, *flags):
     with _training_losses() as losses:
         main(convert_namespace_to_omegaconf(args))
     return losses
+
+
+def assert_finite_falling_loss(losses, updates, run):
+    """``updates`` finite losses whose mean over the last three is at least 0.4 below the first three's."""
+    assert len(losses) == updates and all(math.isfinite(x) for x in losses), losses
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 0.4, f"{run}: loss {first:.2f} -> {last:.2f}"
 
 
 @pytest.fixture(scope="session")

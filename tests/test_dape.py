@@ -8,7 +8,7 @@ from kerple_fairseq.attention.dape import ScoreTransform, build_score_transform
 from kerple_fairseq.errors import KernelConfigError
 
 from helpers import tiny_model
-from test_layer_biases import beam_search_matches_full_scoring, log_probs, method_id, tokens_of
+from test_layer_biases import log_probs, method_id, tokens_of
 
 
 def leaky(x):
@@ -113,51 +113,11 @@ def test_options_are_checked():
 
 # ---------------------------------------------------------------- in the model
 
-CASES = [  # (bias kernel, flags): DAPE over no bias, ALiBi, KERPLE-log, rotary, FIRE and FoX
+CASES = [  # (bias kernel, flags): DAPE over no bias, ALiBi, KERPLE-log, rotary, FIRE, FoX and a weight kernel
     ("none", ["--dape", "mlp"]), ("alibi", ["--dape", "mlp"]), ("kerple_log", ["--dape", "conv"]),
     ("none", ["--rotary-embeddings", "--dape", "conv"]), ("fire", ["--dape", "conv"]), ("fox", ["--dape", "mlp"]),
     ("kerple_bias_wht", ["--dape", "mlp"]),
 ]
-
-
-@pytest.mark.parametrize("case", CASES, ids=method_id)
-def test_incremental_decoding_equals_full_scoring(case):
-    kernel, flags = case
-    torch.manual_seed(0)
-    model = tiny_model(kernel, *flags).eval()
-    tokens = tokens_of()
-    assert (log_probs(model, tokens) - log_probs(model, tokens, incremental=True)).abs().max() < 1e-5
-
-
-@pytest.mark.parametrize("case", CASES, ids=method_id)
-@pytest.mark.parametrize("window", [0, 7])
-def test_blocks_give_the_result_of_one_block(case, window):
-    kernel, flags = case
-    torch.manual_seed(0)
-    one = tiny_model(kernel, *flags, "--attention-block-size", "0", "--attn-window", str(window)).double().eval()
-    blocked = tiny_model(kernel, *flags, "--attention-block-size", "4", "--attn-window", str(window)).double().eval()
-    blocked.load_state_dict(one.state_dict())
-    tokens = tokens_of()
-    torch.testing.assert_close(log_probs(blocked, tokens), log_probs(one, tokens), rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("case", CASES[:3], ids=method_id)
-def test_trimmed_cache_equals_scoring_with_the_window(case):
-    kernel, flags = case
-    torch.manual_seed(0)
-    trimmed = tiny_model(kernel, *flags, "--max-cache-window", "6").double().eval()
-    windowed = tiny_model(kernel, *flags, "--attn-window", "6").double().eval()
-    windowed.load_state_dict(trimmed.state_dict())
-    tokens = tokens_of()
-    torch.testing.assert_close(log_probs(trimmed, tokens, incremental=True), log_probs(windowed, tokens),
-                               rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("case", CASES, ids=method_id)
-def test_beam_search_scores_equal_full_scoring(case):
-    kernel, flags = case
-    torch.manual_seed(0)
-    beam_search_matches_full_scoring(tiny_model(kernel, *flags).eval())
 
 
 @pytest.mark.parametrize("case", CASES, ids=method_id)

@@ -3,7 +3,6 @@ in this process), with finite, falling loss and in-domain parameters in the save
 
 import argparse
 import logging
-import math
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.kernels import KERNELS, build_kernel
 from kerple_fairseq.kernels.learnable import LearnableKernel
 
-from conftest import train_in_process
+from conftest import assert_finite_falling_loss, train_in_process
 
 SIZE = model_size_flags(layers=2, width=32, heads=4)
 UPDATES = 12
@@ -29,9 +28,7 @@ def test_tiny_training_has_finite_falling_loss_and_valid_checkpoint(data_bin, tm
     flags = RUNS[run]
     arch = [] if "--arch" in flags else ["--arch", "transformer_lm_kerple"]
     losses = train_in_process(data_bin, tmp_path, UPDATES, *arch, *SIZE, *flags)
-    assert len(losses) == UPDATES and all(math.isfinite(x) for x in losses), losses
-    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
-    assert last < first - 0.4, f"{run}: loss {first:.2f} -> {last:.2f}"
+    assert_finite_falling_loss(losses, UPDATES, run)
 
     state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)
     cfg = state["cfg"]["model"]

@@ -10,7 +10,7 @@ import torch
 
 from kerple_fairseq.experiments.language_models import model_size_flags
 
-from conftest import TRAIN_LENGTH, train_in_process
+from conftest import TRAIN_LENGTH, assert_finite_falling_loss, train_in_process
 
 SIZE = model_size_flags(layers=2, width=32, heads=4)
 UPDATES = 12
@@ -32,9 +32,7 @@ def test_trains_with_falling_loss_and_evaluates_at_8x_the_training_length(data_b
     flags = RUNS[run]
     arch = [] if "--arch" in flags else ["--arch", "transformer_lm_kerple"]
     losses = train_in_process(data_bin, tmp_path, UPDATES, *arch, *SIZE, *flags)
-    assert len(losses) == UPDATES and all(math.isfinite(x) for x in losses), losses
-    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
-    assert last < first - 0.4, f"{run}: loss {first:.2f} -> {last:.2f}"
+    assert_finite_falling_loss(losses, UPDATES, run)
 
     checkpoint = tmp_path / "checkpoint_last.pt"
     model = torch.load(checkpoint, map_location="cpu", weights_only=False)["model"]

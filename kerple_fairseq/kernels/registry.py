@@ -9,19 +9,27 @@ from kerple_fairseq.kernels.base import BiasKernel
 KERNELS: Dict[str, Type[BiasKernel]] = {}
 
 
-def register_kernel(name: str):
-    """Class decorator: make a :class:`BiasKernel` available as ``--bias-kernel NAME``."""
+def registrar(table: Dict[str, type], base: type, what: str):
+    """A class decorator factory: ``@registrar(...)(name)`` names a ``base`` subclass and enters it in
+    ``table``; ``what`` names such classes in errors."""
 
-    def wrap(cls: Type[BiasKernel]) -> Type[BiasKernel]:
-        if name in KERNELS:
-            raise ValueError(f"bias kernel {name!r} is registered twice")
-        if not issubclass(cls, BiasKernel):
-            raise TypeError(f"{cls.__name__} must subclass BiasKernel")
-        cls.name = name
-        KERNELS[name] = cls
-        return cls
+    def register(name: str):
+        def wrap(cls):
+            if name in table:
+                raise ValueError(f"{what} {name!r} is registered twice")
+            if not issubclass(cls, base):
+                raise TypeError(f"{cls.__name__} must subclass {base.__name__}")
+            cls.name = name
+            table[name] = cls
+            return cls
 
-    return wrap
+        return wrap
+
+    return register
+
+
+#: class decorator: make a :class:`BiasKernel` available as ``--bias-kernel NAME``
+register_kernel = registrar(KERNELS, BiasKernel, "bias kernel")
 
 
 def kernel_names() -> List[str]:

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from kerple_fairseq.attention.blocks import QueryBlock
 from kerple_fairseq.errors import KernelConfigError
-from kerple_fairseq.kernels.registry import declared_fields, options_from
+from kerple_fairseq.kernels.registry import declared_fields, options_from, registrar
 
 LAYER_BIASES: Dict[str, Type["LayerBias"]] = {}
 
@@ -74,19 +74,8 @@ class LayerBias(nn.Module):
         return f"{self.name}, heads={self.num_heads}"
 
 
-def register_layer_bias(name: str):
-    """Class decorator: make a :class:`LayerBias` available as ``--bias-kernel NAME``."""
-
-    def wrap(cls: Type[LayerBias]) -> Type[LayerBias]:
-        if name in LAYER_BIASES:
-            raise ValueError(f"layer bias {name!r} is registered twice")
-        if not issubclass(cls, LayerBias):
-            raise TypeError(f"{cls.__name__} must subclass LayerBias")
-        cls.name = name
-        LAYER_BIASES[name] = cls
-        return cls
-
-    return wrap
+#: class decorator: make a :class:`LayerBias` available as ``--bias-kernel NAME``
+register_layer_bias = registrar(LAYER_BIASES, LayerBias, "layer bias")
 
 
 def layer_bias_names() -> List[str]:
