@@ -62,3 +62,11 @@ def test_receptive_field_states_the_length(drawn):
     figures.receptive_field([("alibi", cumulative, 900)], 0.99, 1024, 32, "unused.png")
     title = drawn[0].axes[0].get_title()
     assert "L = 1024" in title and "32 segments" in title
+
+
+def test_more_than_three_kernel_panels_go_on_further_rows(drawn):
+    curve = -np.arange(10, dtype=float)[None]
+    figures.kernels([(f"m{n}", curve, ["head 1"]) for n in range(4)], "unused.png")
+    visible = [ax for ax in drawn[0].axes if ax.get_visible()]
+    assert [ax.get_title() for ax in visible] == ["m0", "m1", "m2", "m3"]
+    assert len(drawn[0].axes) == 6 and visible[3].get_position().y0 < visible[0].get_position().y0

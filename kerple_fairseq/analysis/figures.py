@@ -37,13 +37,21 @@ def _save(fig, path: str) -> None:
     os.replace(partial, path)
 
 
+#: panels of the kernel figure side by side; more go on further rows
+KERNEL_PANELS_PER_ROW = 3
+
+
 def kernels(panels: List[Tuple[str, np.ndarray, List[str]]], path: str) -> None:
     """One panel per checkpoint, one line per curve (head, or layer and head): ``B(d)`` against ``d``
     (finite part), with the curves' labels. Each panel has its own bias range: ALiBi's steepest head
     reaches -512 at 2048 where KERPLE-log's stay above -20."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, (title, curves, labels) in zip(axes[0], panels):
+    columns = min(len(panels), KERNEL_PANELS_PER_ROW)
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.6 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (title, curves, labels) in zip(axes.flat, panels):
         distance = np.arange(curves.shape[1])
         for label, row in zip(labels, curves):
             finite = np.isfinite(row)
@@ -52,7 +60,8 @@ def kernels(panels: List[Tuple[str, np.ndarray, List[str]]], path: str) -> None:
         ax.set_xlabel("distance d = i - j")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2 if len(curves) > 4 else 1, loc="best")
-    axes[0][0].set_ylabel("bias B_h(d)")
+    for row in axes:
+        row[0].set_ylabel("bias B_h(d)")
     fig.tight_layout()
     _save(fig, path)
 
