@@ -38,7 +38,7 @@ def position_encoding(name: str) -> PositionEncoding:
     ``ValueError`` naming the choices for anything else."""
     if name in POSITION_ENCODINGS:
         return POSITION_ENCODINGS[name]
-    kernels = kernel_names() + layer_bias_names()
+    kernels = sorted(kernel_names() + layer_bias_names())
     if name in kernels:
         return PositionEncoding(name, "kerple", ("--bias-kernel", name))
     raise ValueError(f"unknown model {name!r}: choose a position encoding ({', '.join(POSITION_ENCODINGS)}) "
