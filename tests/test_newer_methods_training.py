@@ -1,4 +1,4 @@
-"""FIRE, FoX and DAPE train a tiny model through fairseq-train's main (in this process) with falling
+"""FIRE, FoX, DAPE and xPos train a tiny model through fairseq-train's main (in this process) with falling
 loss, and the checkpoint reloads and evaluates at 8x the training length with kerple-eval-lm."""
 
 import json
@@ -22,6 +22,7 @@ RUNS = {
     "dape-conv-kerple_log": ["--bias-kernel", "kerple_log", "--dape", "conv"],
     "dape-conv-fire": ["--bias-kernel", "fire", "--dape", "conv"],
     "dape-mlp-rotary": ["--arch", "transformer_lm_rotary", "--dape", "mlp"],
+    "xpos": ["--arch", "transformer_lm_rotary", "--rotary-xpos"],
 }
 
 

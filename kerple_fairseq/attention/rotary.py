@@ -8,6 +8,8 @@ from torch import Tensor, nn
 from kerple_fairseq.errors import KernelConfigError
 
 ROTARY_BASE = 10000.0
+#: xPos's default scale base (its ``scale_base``)
+XPOS_SCALE_BASE = 512.0
 
 
 class RotaryEmbedding(nn.Module):
@@ -21,11 +23,15 @@ class RotaryEmbedding(nn.Module):
     parameters: checkpoints are unchanged by it.
     """
 
-    def __init__(self, head_dim: int):
+    def __init__(self, head_dim: int, xpos: bool = False, xpos_scale_base: float = XPOS_SCALE_BASE):
         super().__init__()
         if head_dim % 2:
             raise KernelConfigError(f"rotary embeddings need an even head dimension, got {head_dim}")
+        if xpos_scale_base <= 0:
+            raise KernelConfigError(f"--xpos-scale-base must be > 0, got {xpos_scale_base}")
         self.head_dim = head_dim
+        self.xpos = xpos
+        self.xpos_scale_base = float(xpos_scale_base)
 
     def forward(self, *xs: Tensor, offset: int = 0) -> Tuple[Tensor, ...]:
         """Rotate each ``x`` (``[..., T, head_dim]``, e.g. queries and keys), whose rows sit at
@@ -42,5 +48,37 @@ class RotaryEmbedding(nn.Module):
 
         return tuple(rotate(x) for x in xs)
 
+    def xpos_zeta(self, device=None) -> Tensor:
+        """``zeta_k = (2k + 0.4 D) / (1.4 D)`` of each pair ``k``, float64 ``[D/2]``."""
+        k = torch.arange(self.head_dim // 2, dtype=torch.float64, device=device)
+        return (2 * k + 0.4 * self.head_dim) / (1.4 * self.head_dim)
+
+    def decay(self, q: Tensor, k: Tensor, first_query: int, first_key: int) -> Tuple[Tensor, Tensor]:
+        """xPos's decay of one block of rotated queries ``[..., T, D]`` at absolute positions
+        ``first_query ..`` and keys ``[..., S, D]`` at ``first_key ..``: pair ``k`` of the logit of
+        query ``n`` and key ``m`` is multiplied by ``zeta_k^((n - m) / scale_base)`` (Sun et al., "A
+        Length-Extrapolatable Transformer", 2023, §3.2). Unchanged without ``xpos``.
+
+        The reference scales the query by ``zeta^(n / scale_base)`` and the key by
+        ``zeta^(-m / scale_base)``, which overflow (keys) and underflow (queries) in fp16 at long
+        positions. Both are measured here from the block's last query ``c`` instead:
+        ``zeta^((n - c) / scale_base)`` (at most ``zeta_0^(-block / scale_base)``, 12 for a block of
+        1024 queries) and ``zeta^((c - m) / scale_base)`` (at most 1); the product is the same. The
+        cache keeps the keys before this scaling."""
+        if not self.xpos:
+            return q, k
+        zeta = self.xpos_zeta(q.device)
+        last_query = first_query + q.size(-2) - 1
+        query_steps = torch.arange(first_query - last_query, 1, dtype=torch.float64, device=q.device)
+        key_steps = torch.arange(last_query - first_key, last_query - first_key - k.size(-2), -1,
+                                 dtype=torch.float64, device=q.device)
+
+        def scales(steps: Tensor, dtype: torch.dtype) -> Tensor:
+            per_pair = zeta[None, :] ** (steps[:, None] / self.xpos_scale_base)  # [T, D/2]
+            return torch.cat([per_pair, per_pair], dim=-1).to(dtype)  # pairs (k, k + D/2)
+
+        return q * scales(query_steps, q.dtype), k * scales(key_steps, k.dtype)
+
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}"
+        xpos = f", xpos (scale base {self.xpos_scale_base:g})" if self.xpos else ""
+        return f"head_dim={self.head_dim}{xpos}"

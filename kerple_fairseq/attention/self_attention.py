@@ -93,9 +93,11 @@ class BiasedSelfAttention(MultiheadAttention):
         biases = self._block_biases(num_queries, k.size(2), need_probabilities or before_softmax, first_position,
                                     state)
         if before_softmax:
+            q, k = self._decayed(q, k, biases[0].block, first_position)
             scores = biased_scores(q, k, biases[0], key_padding_mask, self.score_transform)
             return scores.flatten(0, 1), v.flatten(0, 1)
-        attended, probabilities = self._attend_block_by_block(q, k, v, biases, key_padding_mask, need_probabilities)
+        attended, probabilities = self._attend_block_by_block(q, k, v, biases, key_padding_mask, need_probabilities,
+                                                              first_position)
         out = self.out_proj(attended.permute(2, 0, 1, 3).reshape(num_queries, batch, embed_dim))
         return out, self._returned_weights(probabilities, need_head_weights)
 
@@ -122,8 +124,16 @@ class BiasedSelfAttention(MultiheadAttention):
         return [LayerBlockBias(bias, partial(self.layer_bias.block_bias, bias.block, first_position, state))
                 for bias in biases]
 
+    def _decayed(self, q: Tensor, k: Tensor, block, first_position: int) -> Tuple[Tensor, Tensor]:
+        """A block's queries and keys with xPos's decay (unchanged without it); query 0 of the call is at
+        absolute position ``first_position``."""
+        if self.setup.rotary is None:
+            return q, k
+        first_query = first_position + block.query_start
+        return self.setup.rotary.decay(q, k, first_query, first_query - block.offset)
+
     def _attend_block_by_block(self, q: Tensor, k: Tensor, v: Tensor, biases: List[DistanceBlockBias],
-                               key_padding_mask: Optional[Tensor], need_probabilities: bool):
+                               key_padding_mask: Optional[Tensor], need_probabilities: bool, first_position: int):
         """Each block's queries against its keys; the attended values ``[B, H, T, D]`` and, for a
         single block, its probabilities."""
         dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
@@ -131,8 +141,10 @@ class BiasedSelfAttention(MultiheadAttention):
         for bias in biases:
             block = bias.block
             keys = slice(block.key_start, block.key_end)
+            block_q, block_k = self._decayed(q[:, :, block.query_start:block.query_end], k[:, :, keys], block,
+                                             first_position)
             attended, probabilities = attend(
-                q[:, :, block.query_start:block.query_end], k[:, :, keys], v[:, :, keys], bias,
+                block_q, block_k, v[:, :, keys], bias,
                 fused=self.setup.fused, dropout=dropout,
                 key_padding_mask=None if key_padding_mask is None else key_padding_mask[:, keys],
                 need_probabilities=need_probabilities, score_transform=self.score_transform)

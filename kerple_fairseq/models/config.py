@@ -95,6 +95,18 @@ def _make_config():
             ),
         ),
         (
+            "rotary_xpos",
+            bool,
+            field(
+                default=False,
+                metadata={
+                    "help": "xPos: with --rotary-embeddings, pair k of each logit decays as "
+                    "zeta_k^((i - j) / --xpos-scale-base), zeta_k = (2k + 0.4 D) / (1.4 D)"
+                },
+            ),
+        ),
+        ("xpos_scale_base", float, field(default=512.0, metadata={"help": "xPos: the decay's scale base"})),
+        (
             "dape",
             ChoiceEnum(list(DAPE_VARIANTS)),
             field(

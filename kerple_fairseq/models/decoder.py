@@ -11,7 +11,7 @@ from fairseq.utils import safe_getattr
 
 from kerple_fairseq.attention.dape import build_score_transform
 from kerple_fairseq.attention.distance_bias import DistanceBias
-from kerple_fairseq.attention.rotary import RotaryEmbedding
+from kerple_fairseq.attention.rotary import XPOS_SCALE_BASE, RotaryEmbedding
 from kerple_fairseq.attention.self_attention import AttentionSetup, BiasedSelfAttention
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels import build_kernel
@@ -57,7 +57,9 @@ def attention_setup(args) -> AttentionSetup:
         raise KernelConfigError(f"--max-cache-window must be >= 0 (0: keep every key), got {cache_size}")
     return AttentionSetup(
         bias=DistanceBias(kernel, attention_window=safe_getattr(args, "attn_window", 0)),
-        rotary=RotaryEmbedding(head_dim) if safe_getattr(args, "rotary_embeddings", False) else None,
+        rotary=RotaryEmbedding(head_dim, xpos=safe_getattr(args, "rotary_xpos", False),
+                               xpos_scale_base=safe_getattr(args, "xpos_scale_base", XPOS_SCALE_BASE))
+        if safe_getattr(args, "rotary_embeddings", False) else None,
         block_size=block_size,
         fused=not safe_getattr(args, "unfused_attention", False),
         cache_size=cache_size,
