@@ -75,7 +75,7 @@ def test_without_xpos_the_decay_changes_nothing():
 
 
 def test_xpos_needs_rotary_and_a_positive_scale_base():
-    with pytest.raises(KernelConfigError, match="--rotary-xpos is a decay of rotary embeddings"):
+    with pytest.raises(KernelConfigError, match="--rotary-xpos changes rotary embeddings"):
         tiny_model("none", "--rotary-xpos")
     with pytest.raises(KernelConfigError, match="--xpos-scale-base must be > 0"):
         tiny_model("none", "--rotary-embeddings", "--rotary-xpos", "--xpos-scale-base", "0")

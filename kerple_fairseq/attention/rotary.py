@@ -1,5 +1,6 @@
 """Rotary position embeddings, applied to queries and keys inside self-attention."""
 
+import math
 from typing import Tuple
 
 import torch
@@ -10,6 +11,11 @@ from kerple_fairseq.errors import KernelConfigError
 ROTARY_BASE = 10000.0
 #: xPos's default scale base (its ``scale_base``)
 XPOS_SCALE_BASE = 512.0
+#: evaluation-time scalings of the rotation (NTK-aware, YaRN)
+ROTARY_SCALINGS = ("none", "ntk", "yarn")
+#: YaRN's correction range: dimensions of more than 32 rotations over the training length are kept,
+#: of fewer than 1 interpolated (its beta_fast, beta_slow)
+YARN_BETA_FAST, YARN_BETA_SLOW = 32, 1
 
 
 class RotaryEmbedding(nn.Module):
@@ -23,7 +29,8 @@ class RotaryEmbedding(nn.Module):
     parameters: checkpoints are unchanged by it.
     """
 
-    def __init__(self, head_dim: int, xpos: bool = False, xpos_scale_base: float = XPOS_SCALE_BASE):
+    def __init__(self, head_dim: int, xpos: bool = False, xpos_scale_base: float = XPOS_SCALE_BASE,
+                 scaling: str = "none", train_length: int = 0, scaling_length: int = 0):
         super().__init__()
         if head_dim % 2:
             raise KernelConfigError(f"rotary embeddings need an even head dimension, got {head_dim}")
@@ -32,15 +39,57 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.xpos = xpos
         self.xpos_scale_base = float(xpos_scale_base)
+        self.set_scaling(scaling, train_length, scaling_length)
+
+    def set_scaling(self, scaling: str, train_length: int, scaling_length: int = 0) -> None:
+        """Scale the rotation for lengths beyond ``train_length`` (also on a trained model, at
+        evaluation): ``ntk`` and ``yarn`` by ``s = max(1, scaling_length / train_length)`` (0: ``s = 1``)."""
+        if scaling not in ROTARY_SCALINGS:
+            raise KernelConfigError(f"unknown --rotary-scaling {scaling!r}; choose one of: {', '.join(ROTARY_SCALINGS)}")
+        if scaling != "none" and train_length < 1:
+            raise KernelConfigError(f"--rotary-scaling {scaling} needs the training length (--tokens-per-sample)")
+        if scaling_length < 0:
+            raise KernelConfigError(f"--rotary-scaling-length must be >= 0, got {scaling_length}")
+        self.scaling, self.train_length, self.scaling_length = scaling, train_length, scaling_length
+
+    def scale_factor(self) -> float:
+        """``s``: 1 without scaling, else ``scaling_length`` over the training length (at least 1)."""
+        if self.scaling == "none":
+            return 1.0
+        return max(1.0, self.scaling_length / self.train_length)
+
+    def inverse_frequencies(self, s: float, device=None) -> Tensor:
+        """``theta_k`` of each pair ``k``, float64 ``[D/2]``: ``b^(-2k/D)`` with NTK's base
+        ``b' = b s^(D / (D - 2))``, or YaRN's ramp between ``theta_k`` and ``theta_k / s``."""
+        dim = self.head_dim
+        k = torch.arange(dim // 2, dtype=torch.float64, device=device)
+        base = ROTARY_BASE
+        if self.scaling == "ntk":
+            base = ROTARY_BASE * s ** (dim / (dim - 2))
+        theta = base ** (-2.0 * k / dim)
+        if self.scaling != "yarn" or s == 1.0:
+            return theta
+        def correction(rotations: float) -> float:
+            return dim * math.log(self.train_length / (2 * math.pi * rotations)) / (2 * math.log(ROTARY_BASE))
+
+        low = max(math.floor(correction(YARN_BETA_FAST)), 0)
+        high = min(math.ceil(correction(YARN_BETA_SLOW)), dim - 1)
+        ramp = ((k - low) / max(high - low, 1e-3)).clamp(0.0, 1.0)
+        return (1 - ramp) * theta + ramp * theta / s
+
+    def magnitude(self, s: float) -> float:
+        """YaRN's factor ``0.1 ln s + 1`` on queries and keys (so ``(0.1 ln s + 1)^2`` on the logits); 1 otherwise."""
+        return 0.1 * math.log(s) + 1.0 if self.scaling == "yarn" else 1.0
 
     def forward(self, *xs: Tensor, offset: int = 0) -> Tuple[Tensor, ...]:
         """Rotate each ``x`` (``[..., T, head_dim]``, e.g. queries and keys), whose rows sit at
         positions ``offset .. offset + T - 1``; the angles are computed once for all of them."""
         x0, half = xs[0], self.head_dim // 2
-        k = torch.arange(half, dtype=torch.float64, device=x0.device)
+        s = self.scale_factor()
         positions = torch.arange(offset, offset + x0.size(-2), dtype=torch.float64, device=x0.device)
-        angles = positions[:, None] * ROTARY_BASE ** (-2.0 * k / self.head_dim)[None, :]  # [T, D/2]
-        cos, sin = angles.cos().to(x0.dtype), angles.sin().to(x0.dtype)
+        angles = positions[:, None] * self.inverse_frequencies(s, x0.device)[None, :]  # [T, D/2]
+        magnitude = self.magnitude(s)
+        cos, sin = (angles.cos() * magnitude).to(x0.dtype), (angles.sin() * magnitude).to(x0.dtype)
 
         def rotate(x: Tensor) -> Tensor:
             first, second = x[..., :half], x[..., half:]
@@ -81,4 +130,5 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         xpos = f", xpos (scale base {self.xpos_scale_base:g})" if self.xpos else ""
-        return f"head_dim={self.head_dim}{xpos}"
+        scaling = f", {self.scaling} scaling (trained at {self.train_length})" if self.scaling != "none" else ""
+        return f"head_dim={self.head_dim}{xpos}{scaling}"

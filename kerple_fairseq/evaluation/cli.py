@@ -20,6 +20,7 @@ import torch
 from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
+from kerple_fairseq.attention.rotary import ROTARY_SCALINGS
 from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation import spans as S
 from kerple_fairseq.evaluation.loading import (check_checkpoint, check_data_bin, length_limit, load_language_model,
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="evaluate with attention restricted to the W most recent keys, whatever the "
                        "model was trained with (KERPLE's 'windowed@W'; rotary + W: the super-baseline); "
                        "for checkpoints of this version, the same as --model-overrides \"{'attn_window': W}\"")
+    group.add_argument("--rotary-scaling", choices=[k for k in ROTARY_SCALINGS if k != "none"], default=None,
+                       help="scale a rotary model's rotation at every evaluated length L by s = L / its training "
+                       "length (ntk, yarn), whatever it was trained with")
     return parser
 
 
@@ -105,6 +109,12 @@ def load_model(cfg, attn_window=None):
     model, task, saved = load_language_model(cfg.common_eval.path, cfg.task.data, overrides,
                                              tasks.setup_task(cfg.task), attn_window)
     return model, task, saved.task.tokens_per_sample
+
+
+def rotary_embedding(model):
+    """The rotary embedding of a plugin model, or None."""
+    setup = getattr(model.decoder, "setup", None)
+    return getattr(setup, "rotary", None)
 
 
 def summarise(protocol: str, length: int, scores: List[np.ndarray]) -> Dict:
@@ -172,6 +182,11 @@ def evaluate(args, cfg) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from e
 
+    rotary = rotary_embedding(model)
+    if args.rotary_scaling:
+        if rotary is None:
+            raise UsageError(f"--rotary-scaling {args.rotary_scaling} needs a model with rotary embeddings")
+        rotary.set_scaling(args.rotary_scaling, train_length)
     records, positions, failed, per_token = [], [], [], {}
     print(TABLE_HEADER, flush=True)  # the table is printed a row at a time, as each is computed
     for length in lengths:
@@ -181,6 +196,8 @@ def evaluate(args, cfg) -> int:
                   file=sys.stderr)
             failed.append(length)
             continue
+        if rotary is not None and rotary.scaling != "none":
+            rotary.set_scaling(rotary.scaling, train_length, length)  # s = L / L_train at this length
         for protocol in protocols:
             if protocol == "early-token-cursed":
                 spans = S.early_token_cursed(len(stream), length)

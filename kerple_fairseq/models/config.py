@@ -7,6 +7,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.models.transformer_lm import TransformerLanguageModelConfig
 
 from kerple_fairseq.attention.dape import VARIANTS as DAPE_VARIANTS
+from kerple_fairseq.attention.rotary import ROTARY_SCALINGS
 from kerple_fairseq.kernels import kernel_names, option_fields
 from kerple_fairseq.layer_biases import layer_bias_names, layer_bias_option_fields
 
@@ -106,6 +107,25 @@ def _make_config():
             ),
         ),
         ("xpos_scale_base", float, field(default=512.0, metadata={"help": "xPos: the decay's scale base"})),
+        (
+            "rotary_scaling",
+            ChoiceEnum(list(ROTARY_SCALINGS)),
+            field(
+                default="none",
+                metadata={
+                    "help": "scale rotary beyond the training length (--tokens-per-sample), by s = "
+                    "--rotary-scaling-length / training length: ntk (base b s^(D/(D-2))), yarn (frequencies "
+                    "ramped to theta/s, logits times (0.1 ln s + 1)^2); at evaluation: kerple-eval-lm "
+                    "--rotary-scaling, or --model-overrides"
+                },
+            ),
+        ),
+        (
+            "rotary_scaling_length",
+            int,
+            field(default=0, metadata={"help": "the length L_eval of s = L_eval / training length for ntk and "
+                                       "yarn (kerple-eval-lm sets it per evaluated length); 0: s = 1"}),
+        ),
         (
             "dape",
             ChoiceEnum(list(DAPE_VARIANTS)),

@@ -58,7 +58,10 @@ def attention_setup(args) -> AttentionSetup:
     return AttentionSetup(
         bias=DistanceBias(kernel, attention_window=safe_getattr(args, "attn_window", 0)),
         rotary=RotaryEmbedding(head_dim, xpos=safe_getattr(args, "rotary_xpos", False),
-                               xpos_scale_base=safe_getattr(args, "xpos_scale_base", XPOS_SCALE_BASE))
+                               xpos_scale_base=safe_getattr(args, "xpos_scale_base", XPOS_SCALE_BASE),
+                               scaling=safe_getattr(args, "rotary_scaling", "none"),
+                               train_length=safe_getattr(args, "tokens_per_sample", 0) or 0,
+                               scaling_length=safe_getattr(args, "rotary_scaling_length", 0))
         if safe_getattr(args, "rotary_embeddings", False) else None,
         block_size=block_size,
         fused=not safe_getattr(args, "unfused_attention", False),

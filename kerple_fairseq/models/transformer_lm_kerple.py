@@ -22,9 +22,11 @@ MODEL_NAME = "kerple_lm"
 def check_positions(args) -> None:
     """One source of position: a distance-encoding kernel, or token positions, or rotary."""
     token_positions = not args.no_token_positional_embeddings
-    if safe_getattr(args, "rotary_xpos", False) and not args.rotary_embeddings:
-        raise KernelConfigError("--rotary-xpos is a decay of rotary embeddings: add --rotary-embeddings "
-                                "(or use --arch transformer_lm_rotary)")
+    for flag, on in (("--rotary-xpos", safe_getattr(args, "rotary_xpos", False)),
+                     ("--rotary-scaling", safe_getattr(args, "rotary_scaling", "none") != "none")):
+        if on and not args.rotary_embeddings:
+            raise KernelConfigError(f"{flag} changes rotary embeddings: add --rotary-embeddings "
+                                    "(or use --arch transformer_lm_rotary)")
     if token_positions and args.rotary_embeddings:
         raise KernelConfigError(
             "--token-positional-embeddings and --rotary-embeddings are two position encodings; "

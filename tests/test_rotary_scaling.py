@@ -1,0 +1,155 @@
+"""NTK-aware and YaRN scaling of rotary at evaluation, against plain float64 loops of
+their formulas, on every decoding path, from kerple-eval-lm and from stock fairseq-eval-lm."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from kerple_fairseq.attention.rotary import RotaryEmbedding
+from kerple_fairseq.errors import KernelConfigError
+
+from conftest import fairseq_cli, run, train_in_process
+from helpers import tiny_model
+from test_decoding_paths_of_newer_methods import beam_search_matches_full_scoring
+from test_layer_biases import log_probs, tokens_of
+
+DIM, TRAIN = 16, 8
+
+
+def ntk_frequencies(s):
+    base = 10000.0 * s ** (DIM / (DIM - 2))
+    return [base ** (-2.0 * k / DIM) for k in range(DIM // 2)]
+
+
+def yarn_frequencies(s, train_length=TRAIN):
+    def d(r):
+        return DIM * math.log(train_length / (2 * math.pi * r)) / (2 * math.log(10000.0))
+
+    low, high = max(math.floor(d(32)), 0), min(math.ceil(d(1)), DIM - 1)
+    out = []
+    for k in range(DIM // 2):
+        theta = 10000.0 ** (-2.0 * k / DIM)
+        gamma = min(max((k - low) / max(high - low, 1e-3), 0.0), 1.0)
+        out.append((1 - gamma) * theta + gamma * theta / s)
+    return out
+
+
+def logit_reference(q, k, n, m, frequencies, magnitude=1.0):
+    """Rotated ``q`` at ``n`` dotted with rotated ``k`` at ``m``, pairs ``(j, j + D/2)``, times ``magnitude^2``."""
+    half = len(q) // 2
+    total = 0.0
+    for j, theta in enumerate(frequencies):
+        def rotated(x, p):
+            a, b = x[j], x[j + half]
+            return a * math.cos(p * theta) - b * math.sin(p * theta), a * math.sin(p * theta) + b * math.cos(p * theta)
+        (qa, qb), (ka, kb) = rotated(q, n), rotated(k, m)
+        total += (qa * ka + qb * kb) * magnitude ** 2
+    return total
+
+
+@pytest.mark.parametrize("scaling, length, frequencies, magnitude", [
+    ("ntk", 32, ntk_frequencies(4.0), 1.0),
+    ("yarn", 32, yarn_frequencies(4.0), 0.1 * math.log(4.0) + 1),
+    ("yarn", 1000, yarn_frequencies(125.0), 0.1 * math.log(125.0) + 1),
+])
+def test_scaled_logits_equal_the_formulas_by_loops(scaling, length, frequencies, magnitude):
+    rotary = RotaryEmbedding(DIM, scaling=scaling, train_length=TRAIN, scaling_length=length)
+    torch.testing.assert_close(rotary.inverse_frequencies(rotary.scale_factor()),
+                               torch.tensor(frequencies, dtype=torch.float64), rtol=1e-12, atol=0)
+    torch.manual_seed(0)
+    q, k = torch.randn(6, DIM, dtype=torch.float64), torch.randn(20, DIM, dtype=torch.float64)
+    (q_rot,), (k_rot,) = rotary(q, offset=14), rotary(k, offset=0)
+    logits = q_rot @ k_rot.T
+    for t in range(6):
+        for s in range(20):
+            expected = logit_reference(q[t].tolist(), k[s].tolist(), 14 + t, s, frequencies, magnitude)
+            assert abs(logits[t, s].item() - expected) < 1e-10, (t, s)
+
+
+def test_yarn_keeps_fast_dimensions_and_interpolates_slow_ones():
+    rotary = RotaryEmbedding(128, scaling="yarn", train_length=512, scaling_length=2048)
+    plain = RotaryEmbedding(128).inverse_frequencies(1.0)
+    scaled = rotary.inverse_frequencies(4.0)
+    assert scaled[0] == plain[0] and torch.allclose(scaled[-1], plain[-1] / 4)
+    assert ((scaled <= plain) & (scaled >= plain / 4)).all()
+
+
+@pytest.mark.parametrize("scaling", ["ntk", "yarn"])
+def test_no_scaling_up_to_the_training_length(scaling):
+    q = torch.randn(2, 4, 8, DIM)
+    plain = RotaryEmbedding(DIM)(q, q, offset=0)
+    scaled = RotaryEmbedding(DIM, scaling=scaling, train_length=TRAIN, scaling_length=TRAIN)(q, q, offset=0)
+    assert all(torch.equal(a, b) for a, b in zip(plain, scaled))
+
+
+def scaled_model(scaling, *flags):
+    return tiny_model("none", "--tokens-per-sample", str(TRAIN), "--rotary-scaling", scaling,
+                      "--rotary-scaling-length", "32", *flags, arch="transformer_lm_rotary")
+
+
+@pytest.mark.parametrize("scaling", ["ntk", "yarn"])
+def test_incremental_decoding_blocks_and_beam_search_equal_full_scoring(scaling):
+    torch.manual_seed(0)
+    model = scaled_model(scaling).double().eval()
+    blocked = scaled_model(scaling, "--attention-block-size", "4").double().eval()
+    blocked.load_state_dict(model.state_dict())
+    tokens = tokens_of()
+    full = log_probs(model, tokens)
+    assert (full - log_probs(model, tokens, incremental=True)).abs().max() < 1e-6
+    torch.testing.assert_close(log_probs(blocked, tokens), full, rtol=0, atol=1e-6)
+    plain = tiny_model("none", "--tokens-per-sample", str(TRAIN), arch="transformer_lm_rotary").double().eval()
+    plain.load_state_dict(model.state_dict())
+    assert (log_probs(plain, tokens) - full).abs().max() > 1e-3, "the scaling changes the model"
+    beam_search_matches_full_scoring(scaled_model(scaling).eval())
+
+
+def test_bad_scaling_options_are_clear_errors():
+    with pytest.raises(KernelConfigError, match="--rotary-scaling changes rotary embeddings"):
+        tiny_model("alibi", "--rotary-scaling", "yarn")
+    with pytest.raises(KernelConfigError, match="--rotary-scaling-length must be >= 0"):
+        scaled_model("yarn", "--rotary-scaling-length", "-1")
+
+
+@pytest.fixture(scope="module")
+def rotary_checkpoint(data_bin, tmp_path_factory):
+    from kerple_fairseq.experiments.language_models import model_size_flags
+
+    save_dir = tmp_path_factory.mktemp("rotary")
+    train_in_process(data_bin, save_dir, 6, "--arch", "transformer_lm_rotary",
+                     *model_size_flags(layers=2, width=32, heads=4))
+    return save_dir / "checkpoint_last.pt"
+
+
+def eval_lm(data_bin, checkpoint, tmp_path, *flags):
+    from kerple_fairseq.evaluation.cli import cli_main
+
+    out = tmp_path / f"r{len(list(tmp_path.iterdir()))}.json"
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main([str(data_bin), "--path", str(checkpoint), "--gen-subset", "valid", "--cpu", "--no-progress-bar",
+                  "--max-tokens", "4096", "--results-json", str(out), *flags])
+    assert exit_info.value.code == 0
+    return {r["length"]: r["ppl"] for r in json.load(open(out))}
+
+
+def test_kerple_eval_lm_scales_by_each_length_over_the_training_length(data_bin, rotary_checkpoint, tmp_path):
+    plain = eval_lm(data_bin, rotary_checkpoint, tmp_path, "--lengths", "64", "256")
+    for scaling in ("ntk", "yarn"):
+        scaled = eval_lm(data_bin, rotary_checkpoint, tmp_path, "--lengths", "64", "256", "--rotary-scaling", scaling)
+        assert scaled[64] == pytest.approx(plain[64], rel=1e-9), "s = 1 at the training length"
+        assert abs(scaled[256] - plain[256]) > 1e-6 * plain[256], scaling  # a barely trained model: small but real
+
+
+@pytest.mark.slow
+def test_stock_fairseq_eval_lm_through_model_overrides(data_bin, rotary_checkpoint, tmp_path):
+    """The training length comes from the checkpoint: stock fairseq-eval-lm with the scaling as a model
+    override scores what kerple-eval-lm scores."""
+    ours = eval_lm(data_bin, rotary_checkpoint, tmp_path, "--lengths", "256", "--rotary-scaling", "yarn")[256]
+    proc = run([fairseq_cli("fairseq-eval-lm"), data_bin, "--user-dir", "kerple_fairseq", "--path", rotary_checkpoint,
+                "--gen-subset", "valid", "--tokens-per-sample", "256", "--context-window", "0", "--max-tokens", "4096",
+                "--cpu", "--num-workers", "0",
+                "--model-overrides", "{'rotary_scaling': 'yarn', 'rotary_scaling_length': 256}"])
+    out = proc.stdout + proc.stderr
+    stock = float(out.rsplit("Perplexity: ", 1)[1].split()[0])
+    assert stock == pytest.approx(ours, rel=1e-3)
