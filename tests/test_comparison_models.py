@@ -25,6 +25,9 @@ POSITION_ENCODINGS = {
     "fox": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "fox"],
     "dape_alibi": ["--arch", "transformer_lm_alibi{size}", "--dape", "mlp"],
     "dape_kerple_log": ["--arch", "transformer_lm_kerple{size}", "--dape", "mlp"],
+    "rotary_ntk": ["--arch", "transformer_lm_rotary{size}", "--rotary-scaling", "ntk"],
+    "rotary_yarn": ["--arch", "transformer_lm_rotary{size}", "--rotary-scaling", "yarn"],
+    "xpos": ["--arch", "transformer_lm_rotary{size}", "--rotary-xpos"],
 }
 POSITION_PARAMETERS = ("embed_positions.", "attention_bias.kernel.", "self_attn.layer_bias.", "self_attn.score_transform.")
 
@@ -62,6 +65,7 @@ def assert_differ_only_in_position(models):
     heads = models["alibi"].decoder.layers[0].self_attn.num_heads
     encoded = {name: position_parameters(model) for name, model in models.items()}
     assert encoded["nope"] == encoded["alibi"] == encoded["rotary"] == encoded["sinusoidal"] == 0
+    assert encoded["rotary_ntk"] == encoded["rotary_yarn"] == encoded["xpos"] == 0
     assert encoded["kerple_log"] == 2 * heads and encoded["t5"] == 32 * heads and encoded["learned"] > 0
     layers, width = len(models["alibi"].decoder.layers), models["alibi"].decoder.embed_dim
     # per layer: FIRE's Linear(1, 32), Linear(32, H), c and m; FoX's Linear(E, H); DAPE's Linear(2H, 32), Linear(32, H)

@@ -29,6 +29,10 @@ POSITION_ENCODINGS = {
     "fox": PositionEncoding("FoX", "kerple", ("--bias-kernel", "fox")),
     "dape_alibi": PositionEncoding("DAPE-ALiBi", "alibi", ("--dape", "mlp")),
     "dape_kerple_log": PositionEncoding("DAPE-KERPLE-log", "kerple", ("--dape", "mlp")),
+    # rotary trained as `rotary` is, then scaled at every evaluated length by s = L / L_train
+    "rotary_ntk": PositionEncoding("rotary+NTK", "rotary", ("--rotary-scaling", "ntk")),
+    "rotary_yarn": PositionEncoding("rotary+YaRN", "rotary", ("--rotary-scaling", "yarn")),
+    "xpos": PositionEncoding("xPos", "rotary", ("--rotary-xpos",)),
 }
 # learned positions are not among them: they cannot be evaluated beyond the training length
 
