@@ -1,5 +1,5 @@
-"""NTK-aware and YaRN scaling of rotary at evaluation, against plain float64 loops of
-their formulas, on every decoding path, from kerple-eval-lm and from stock fairseq-eval-lm."""
+"""NTK-aware (static and dynamic) and YaRN scaling of rotary at evaluation, against plain float64
+loops of their formulas, on every decoding path, from kerple-eval-lm and from stock fairseq-eval-lm."""
 
 import json
 import math
@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from kerple_fairseq.attention.blocks import query_blocks
 from kerple_fairseq.attention.rotary import RotaryEmbedding
 from kerple_fairseq.errors import KernelConfigError
 
@@ -68,6 +69,50 @@ def test_scaled_logits_equal_the_formulas_by_loops(scaling, length, frequencies,
             assert abs(logits[t, s].item() - expected) < 1e-10, (t, s)
 
 
+def dynamic_scale_reference(position, step, train_length=TRAIN):
+    """The length reached by the query at ``position``, rounded up to the training length plus a
+    multiple of ``step``, over the training length; 1 within the training length."""
+    reached = position + 1
+    if reached <= train_length:
+        return 1.0
+    return (train_length + math.ceil((reached - train_length) / step) * step) / train_length
+
+
+@pytest.mark.parametrize("step", [1, 3, 16])
+def test_dynamic_ntk_logits_equal_the_formula_by_loops(step):
+    """Each query attends with the NTK base of the length it has reached, against every key rotated
+    with that base; the blocks of the attention follow the bands of one scale."""
+    rotary = RotaryEmbedding(DIM, scaling="dynamic-ntk", train_length=TRAIN, dynamic_step=step)
+    torch.manual_seed(0)
+    num = 30
+    q, k = torch.randn(num, DIM, dtype=torch.float64), torch.randn(num, DIM, dtype=torch.float64)
+    q_rot, k_rot = rotary(q, k, offset=0)
+    logits = torch.full((num, num), float("nan"), dtype=torch.float64)
+    for block in query_blocks(num, num, starts=rotary.band_starts(0, num)):
+        qb, kb = rotary.per_block(q_rot[block.query_start:block.query_end], k_rot[block.key_start:block.key_end],
+                                  block.query_start, block.key_start)
+        logits[block.query_start:block.query_end, block.key_start:block.key_end] = qb @ kb.T
+    for t in range(num):
+        frequencies = ntk_frequencies(dynamic_scale_reference(t, step))
+        for s in range(t + 1):
+            expected = logit_reference(q[t].tolist(), k[s].tolist(), t, s, frequencies)
+            assert abs(logits[t, s].item() - expected) < 1e-10, (t, s)
+
+
+def test_dynamic_ntk_bands_start_where_the_scale_changes():
+    rotary = RotaryEmbedding(DIM, scaling="dynamic-ntk", train_length=TRAIN, dynamic_step=3)
+    assert rotary.band_starts(0, 16) == [8, 11, 14]
+    assert rotary.band_starts(9, 7) == [2, 5]  # queries at 9 .. 15: bands start at 11 and 14
+    assert rotary.band_starts(11, 1) == [] and rotary.band_starts(0, 8) == []
+    for first, count in ((0, 30), (5, 20), (13, 9)):
+        bounds = [0] + rotary.band_starts(first, count) + [count]
+        for start, end in zip(bounds, bounds[1:]):
+            scales = {dynamic_scale_reference(first + t, 3) for t in range(start, end)}
+            assert len(scales) == 1, (first, start, end)
+        assert all(dynamic_scale_reference(first + t - 1, 3) != dynamic_scale_reference(first + t, 3)
+                   for t in bounds[1:-1])
+
+
 def test_yarn_keeps_fast_dimensions_and_interpolates_slow_ones():
     rotary = RotaryEmbedding(128, scaling="yarn", train_length=512, scaling_length=2048)
     plain = RotaryEmbedding(128).inverse_frequencies(1.0)
@@ -85,11 +130,12 @@ def test_no_scaling_up_to_the_training_length(scaling):
 
 
 def scaled_model(scaling, *flags):
+    step = ("--dynamic-ntk-step", "3") if scaling == "dynamic-ntk" else ()
     return tiny_model("none", "--tokens-per-sample", str(TRAIN), "--rotary-scaling", scaling,
-                      "--rotary-scaling-length", "32", *flags, arch="transformer_lm_rotary")
+                      "--rotary-scaling-length", "32", *step, *flags, arch="transformer_lm_rotary")
 
 
-@pytest.mark.parametrize("scaling", ["ntk", "yarn"])
+@pytest.mark.parametrize("scaling", ["ntk", "dynamic-ntk", "yarn"])
 def test_incremental_decoding_blocks_and_beam_search_equal_full_scoring(scaling):
     torch.manual_seed(0)
     model = scaled_model(scaling).double().eval()
@@ -105,11 +151,34 @@ def test_incremental_decoding_blocks_and_beam_search_equal_full_scoring(scaling)
     beam_search_matches_full_scoring(scaled_model(scaling).eval())
 
 
+@pytest.mark.parametrize("flags", [(), ("--rotary-xpos",)], ids=["rotary", "xpos"])
+def test_dynamic_ntk_weights_and_scores_cover_every_band(flags):
+    """Probabilities and ``before_softmax`` scores come laid out over all keys although the bands
+    attend block by block, and agree with the attended values."""
+    torch.manual_seed(0)
+    model = scaled_model("dynamic-ntk", *flags).double().eval()
+    attention = model.decoder.layers[0].self_attn
+    x = torch.randn(20, 2, attention.embed_dim, dtype=torch.float64)
+    with torch.no_grad():
+        out, weights = attention(x, x, x, need_weights=True, need_head_weights=True)
+        plain_out, _ = attention(x, x, x, need_weights=False)
+        scores, values = attention(x, x, x, before_softmax=True)
+    torch.testing.assert_close(out, plain_out, rtol=0, atol=1e-12)
+    probabilities = torch.softmax(scores, dim=-1).view(2, -1, 20, 20).transpose(0, 1)  # [H, B, T, S]
+    torch.testing.assert_close(weights, probabilities, rtol=0, atol=1e-12)
+    assert torch.equal(weights.triu(1), torch.zeros_like(weights)), "no weight on future keys"
+    attended = torch.matmul(probabilities.transpose(0, 1).flatten(0, 1), values)  # [B H, T, D]
+    expected = attention.out_proj(attended.view(2, -1, 20, attention.head_dim).permute(2, 0, 1, 3).reshape(20, 2, -1))
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+
+
 def test_bad_scaling_options_are_clear_errors():
     with pytest.raises(KernelConfigError, match="--rotary-scaling changes rotary embeddings"):
         tiny_model("alibi", "--rotary-scaling", "yarn")
     with pytest.raises(KernelConfigError, match="--rotary-scaling-length must be >= 0"):
         scaled_model("yarn", "--rotary-scaling-length", "-1")
+    with pytest.raises(KernelConfigError, match="--dynamic-ntk-step must be >= 1"):
+        scaled_model("dynamic-ntk", "--dynamic-ntk-step", "0")
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +204,7 @@ def eval_lm(data_bin, checkpoint, tmp_path, *flags):
 
 def test_kerple_eval_lm_scales_by_each_length_over_the_training_length(data_bin, rotary_checkpoint, tmp_path):
     plain = eval_lm(data_bin, rotary_checkpoint, tmp_path, "--lengths", "64", "256")
-    for scaling in ("ntk", "yarn"):
+    for scaling in ("ntk", "dynamic-ntk", "yarn"):
         scaled = eval_lm(data_bin, rotary_checkpoint, tmp_path, "--lengths", "64", "256", "--rotary-scaling", scaling)
         assert scaled[64] == pytest.approx(plain[64], rel=1e-9), "s = 1 at the training length"
         assert abs(scaled[256] - plain[256]) > 1e-6 * plain[256], scaling  # a barely trained model: small but real

@@ -9,7 +9,7 @@ the keys inside it.
 """
 
 from dataclasses import dataclass
-from typing import List
+from typing import List, Sequence
 
 #: smallest block of queries under an attention window: smaller blocks cost more in
 #: per-block overhead than the keys they skip save
@@ -45,17 +45,20 @@ def effective_block_size(block_size: int, attention_window: int) -> int:
     return block_size
 
 
-def query_blocks(num_queries: int, num_keys: int, block_size: int = 0, attention_window: int = 0) -> List[QueryBlock]:
+def query_blocks(num_queries: int, num_keys: int, block_size: int = 0, attention_window: int = 0,
+                 starts: Sequence[int] = ()) -> List[QueryBlock]:
     """The blocks of one call: all queries at once when ``block_size`` is 0 or covers them,
-    otherwise consecutive blocks of ``block_size`` queries. A block's keys end with its last
-    query (causality) and start at the first key its first query sees (the window's)."""
+    otherwise consecutive blocks of ``block_size`` queries; a block also starts at each query
+    index in ``starts`` (queries that must not share a block with the ones before them). A
+    block's keys end with its last query (causality) and start at the first key its first query
+    sees (the window's)."""
     if num_queries < 1 or num_keys < num_queries:
         raise ValueError(f"{num_queries} queries need at least as many keys, got {num_keys}")
     first_position = num_keys - num_queries  # of query 0, counted from key 0
     size = block_size if 0 < block_size < num_queries else num_queries
+    bounds = sorted(set(range(0, num_queries, size)) | {t for t in starts if 0 < t < num_queries})
     blocks = []
-    for start in range(0, num_queries, size):
-        end = min(start + size, num_queries)
+    for start, end in zip(bounds, bounds[1:] + [num_queries]):
         position = first_position + start
         key_start = max(0, position - attention_window + 1) if attention_window else 0
         blocks.append(QueryBlock(start, end, key_start, first_position + end, position - key_start))

@@ -1,7 +1,7 @@
 """Rotary position embeddings, applied to queries and keys inside self-attention."""
 
 import math
-from typing import Tuple
+from typing import List, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -11,8 +11,10 @@ from kerple_fairseq.errors import KernelConfigError
 ROTARY_BASE = 10000.0
 #: xPos's default scale base (its ``scale_base``)
 XPOS_SCALE_BASE = 512.0
-#: evaluation-time scalings of the rotation (NTK-aware, YaRN)
-ROTARY_SCALINGS = ("none", "ntk", "yarn")
+#: evaluation-time scalings of the rotation (NTK-aware, from the evaluated or the current length; YaRN)
+ROTARY_SCALINGS = ("none", "ntk", "dynamic-ntk", "yarn")
+#: dynamic NTK: positions per band of queries that share one scale
+DYNAMIC_NTK_STEP = 16
 #: YaRN's correction range: dimensions of more than 32 rotations over the training length are kept,
 #: of fewer than 1 interpolated (its beta_fast, beta_slow)
 YARN_BETA_FAST, YARN_BETA_SLOW = 32, 1
@@ -30,7 +32,8 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_dim: int, xpos: bool = False, xpos_scale_base: float = XPOS_SCALE_BASE,
-                 scaling: str = "none", train_length: int = 0, scaling_length: int = 0):
+                 scaling: str = "none", train_length: int = 0, scaling_length: int = 0,
+                 dynamic_step: int = DYNAMIC_NTK_STEP):
         super().__init__()
         if head_dim % 2:
             raise KernelConfigError(f"rotary embeddings need an even head dimension, got {head_dim}")
@@ -39,11 +42,15 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.xpos = xpos
         self.xpos_scale_base = float(xpos_scale_base)
+        if dynamic_step < 1:
+            raise KernelConfigError(f"--dynamic-ntk-step must be >= 1, got {dynamic_step}")
+        self.dynamic_step = dynamic_step
         self.set_scaling(scaling, train_length, scaling_length)
 
     def set_scaling(self, scaling: str, train_length: int, scaling_length: int = 0) -> None:
         """Scale the rotation for lengths beyond ``train_length`` (also on a trained model, at
-        evaluation): ``ntk`` and ``yarn`` by ``s = max(1, scaling_length / train_length)`` (0: ``s = 1``)."""
+        evaluation): ``ntk`` and ``yarn`` by ``s = max(1, scaling_length / train_length)`` (0: ``s = 1``),
+        ``dynamic-ntk`` by the scale of each query's own position (:meth:`dynamic_scale`)."""
         if scaling not in ROTARY_SCALINGS:
             raise KernelConfigError(f"unknown --rotary-scaling {scaling!r}; choose one of: {', '.join(ROTARY_SCALINGS)}")
         if scaling != "none" and train_length < 1:
@@ -52,11 +59,36 @@ class RotaryEmbedding(nn.Module):
             raise KernelConfigError(f"--rotary-scaling-length must be >= 0, got {scaling_length}")
         self.scaling, self.train_length, self.scaling_length = scaling, train_length, scaling_length
 
+    @property
+    def dynamic(self) -> bool:
+        return self.scaling == "dynamic-ntk"
+
     def scale_factor(self) -> float:
-        """``s``: 1 without scaling, else ``scaling_length`` over the training length (at least 1)."""
-        if self.scaling == "none":
+        """``s`` of every position: 1 without scaling and under ``dynamic-ntk`` (whose scale is set per
+        block of queries, :meth:`per_block`), else ``scaling_length`` over the training length (at least 1)."""
+        if self.scaling == "none" or self.dynamic:
             return 1.0
         return max(1.0, self.scaling_length / self.train_length)
+
+    def dynamic_scale(self, position: int) -> float:
+        """Dynamic NTK's ``s`` for the query at absolute ``position``: 1 within the training length
+        ``L``, beyond it the length the query has reached, rounded up to ``L`` plus a multiple of
+        ``dynamic_step``, over ``L``. Every query of one band of ``dynamic_step`` positions shares it,
+        so a band attends with one rotation (``dynamic_step`` 1: each query's own length)."""
+        beyond = position + 1 - self.train_length
+        if beyond <= 0:
+            return 1.0
+        return (self.train_length + -(-beyond // self.dynamic_step) * self.dynamic_step) / self.train_length
+
+    def band_starts(self, first_position: int, num_queries: int) -> List[int]:
+        """Under ``dynamic-ntk``, the indices of the queries (at absolute positions ``first_position ..``)
+        that start a band of :meth:`dynamic_scale`: blocks of queries start there."""
+        if not self.dynamic:
+            return []
+        step, length = self.dynamic_step, self.train_length
+        first_band = max(0, -(-(first_position - length) // step))
+        starts = range(length + first_band * step, first_position + num_queries, step)
+        return [p - first_position for p in starts if p > first_position]
 
     def inverse_frequencies(self, s: float, device=None) -> Tensor:
         """``theta_k`` of each pair ``k``, float64 ``[D/2]``: ``b^(-2k/D)`` with NTK's base
@@ -64,7 +96,7 @@ class RotaryEmbedding(nn.Module):
         dim = self.head_dim
         k = torch.arange(dim // 2, dtype=torch.float64, device=device)
         base = ROTARY_BASE
-        if self.scaling == "ntk":
+        if self.scaling in ("ntk", "dynamic-ntk"):
             base = ROTARY_BASE * s ** (dim / (dim - 2))
         theta = base ** (-2.0 * k / dim)
         if self.scaling != "yarn" or s == 1.0:
@@ -84,18 +116,37 @@ class RotaryEmbedding(nn.Module):
     def forward(self, *xs: Tensor, offset: int = 0) -> Tuple[Tensor, ...]:
         """Rotate each ``x`` (``[..., T, head_dim]``, e.g. queries and keys), whose rows sit at
         positions ``offset .. offset + T - 1``; the angles are computed once for all of them."""
-        x0, half = xs[0], self.head_dim // 2
         s = self.scale_factor()
-        positions = torch.arange(offset, offset + x0.size(-2), dtype=torch.float64, device=x0.device)
-        angles = positions[:, None] * self.inverse_frequencies(s, x0.device)[None, :]  # [T, D/2]
-        magnitude = self.magnitude(s)
-        cos, sin = (angles.cos() * magnitude).to(x0.dtype), (angles.sin() * magnitude).to(x0.dtype)
+        return tuple(self._rotate(x, offset, self.inverse_frequencies(s, x.device), self.magnitude(s)) for x in xs)
 
-        def rotate(x: Tensor) -> Tensor:
-            first, second = x[..., :half], x[..., half:]
-            return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+    @staticmethod
+    def _rotate(x: Tensor, offset: int, frequencies: Tensor, magnitude: float = 1.0) -> Tensor:
+        """``x`` ``[..., T, D]`` at positions ``offset ..``, each pair ``k`` rotated by ``position *
+        frequencies[k]`` (angles in float64, cast once) and scaled by ``magnitude``."""
+        half = x.size(-1) // 2
+        positions = torch.arange(offset, offset + x.size(-2), dtype=torch.float64, device=x.device)
+        angles = positions[:, None] * frequencies[None, :]  # [T, D/2]
+        cos, sin = (angles.cos() * magnitude).to(x.dtype), (angles.sin() * magnitude).to(x.dtype)
+        first, second = x[..., :half], x[..., half:]
+        return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
 
-        return tuple(rotate(x) for x in xs)
+    def per_block(self, q: Tensor, k: Tensor, first_query: int, first_key: int) -> Tuple[Tensor, Tensor]:
+        """One block's rotated queries ``[..., T, D]`` (at absolute positions ``first_query ..``) and keys
+        ``[..., S, D]`` (at ``first_key ..``) with what depends on the block: dynamic NTK's rotation at
+        the block's scale and xPos's decay (:meth:`decay`). Unchanged without either.
+
+        Dynamic NTK (the "dynamic" NTK-aware scaling of bloc97 and emozilla, 2023): the query at
+        position ``i`` attends with the base ``b s_i^(D / (D - 2))``, ``s_i`` from the length it has
+        reached (:meth:`dynamic_scale`), against every key rotated with that base. Queries and keys
+        arrive rotated with the trained frequencies ``theta``, so the rotation by ``position *
+        (theta(s) - theta)`` completes it. A token's output then depends only on the tokens before
+        it, and decoding one token at a time equals scoring the whole sequence."""
+        if self.dynamic:
+            s = self.dynamic_scale(first_query + q.size(-2) - 1)
+            if s > 1.0:
+                extra = self.inverse_frequencies(s, q.device) - self.inverse_frequencies(1.0, q.device)
+                q, k = self._rotate(q, first_query, extra), self._rotate(k, first_key, extra)
+        return self.decay(q, k, first_query, first_key)
 
     def xpos_zeta(self, device=None) -> Tensor:
         """``zeta_k = (2k + 0.4 D) / (1.4 D)`` of each pair ``k``, float64 ``[D/2]``."""
@@ -131,4 +182,6 @@ class RotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         xpos = f", xpos (scale base {self.xpos_scale_base:g})" if self.xpos else ""
         scaling = f", {self.scaling} scaling (trained at {self.train_length})" if self.scaling != "none" else ""
+        if self.dynamic:
+            scaling += f" in bands of {self.dynamic_step}"
         return f"head_dim={self.head_dim}{xpos}{scaling}"

@@ -93,8 +93,8 @@ class BiasedSelfAttention(MultiheadAttention):
         biases = self._block_biases(num_queries, k.size(2), need_probabilities or before_softmax, first_position,
                                     state)
         if before_softmax:
-            q, k = self._decayed(q, k, biases[0].block, first_position)
-            scores = biased_scores(q, k, biases[0], key_padding_mask, self.score_transform)
+            scores = self._whole_rows(biases, k.size(2), float("-inf"), lambda bias: biased_scores(
+                *self._positioned(q, k, bias.block, first_position), bias, key_padding_mask, self.score_transform))
             return scores.flatten(0, 1), v.flatten(0, 1)
         attended, probabilities = self._attend_block_by_block(q, k, v, biases, key_padding_mask, need_probabilities,
                                                               first_position)
@@ -116,40 +116,56 @@ class BiasedSelfAttention(MultiheadAttention):
         against every key. Query 0 is at absolute position ``first_position``; ``state`` is the layer
         bias's state of every key."""
         window = self.setup.bias.attention_window
+        rotary = self.setup.rotary
+        starts = rotary.band_starts(first_position, num_queries) if rotary is not None else []
         blocks = query_blocks(num_queries, num_keys, 0 if whole_rows else self.setup.block_size_now(),
-                              0 if whole_rows else window)
+                              0 if whole_rows else window, starts)
         biases = [self.setup.bias.for_block(block, num_keys, shared=len(blocks) == 1) for block in blocks]
         if self.layer_bias is None:
             return biases
         return [LayerBlockBias(bias, partial(self.layer_bias.block_bias, bias.block, first_position, state))
                 for bias in biases]
 
-    def _decayed(self, q: Tensor, k: Tensor, block, first_position: int) -> Tuple[Tensor, Tensor]:
-        """A block's queries and keys with xPos's decay (unchanged without it); query 0 of the call is at
-        absolute position ``first_position``."""
+    def _positioned(self, q: Tensor, k: Tensor, block, first_position: int) -> Tuple[Tensor, Tensor]:
+        """A block's queries and keys (sliced from the call's) with what rotary does per block, xPos's
+        decay and dynamic NTK's rotation (unchanged without them); query 0 of the call is at absolute
+        position ``first_position``."""
+        q, k = q[:, :, block.query_start:block.query_end], k[:, :, block.key_start:block.key_end]
         if self.setup.rotary is None:
             return q, k
         first_query = first_position + block.query_start
-        return self.setup.rotary.decay(q, k, first_query, first_query - block.offset)
+        return self.setup.rotary.per_block(q, k, first_query, first_query - block.offset)
+
+    @staticmethod
+    def _whole_rows(biases: List[DistanceBlockBias], num_keys: int, fill: float, rows) -> Tensor:
+        """``rows(bias)`` ``[B, H, queries, keys]`` of each block, laid out against all ``num_keys``
+        keys (``fill`` outside the block's keys) and stacked over the blocks' queries."""
+        if len(biases) == 1 and biases[0].block.num_keys == num_keys:
+            return rows(biases[0])
+        pieces = []
+        for bias in biases:
+            block, piece = bias.block, rows(bias)
+            pieces.append(torch.nn.functional.pad(piece, (block.key_start, num_keys - block.key_end), value=fill))
+        return torch.cat(pieces, dim=2)
 
     def _attend_block_by_block(self, q: Tensor, k: Tensor, v: Tensor, biases: List[DistanceBlockBias],
                                key_padding_mask: Optional[Tensor], need_probabilities: bool, first_position: int):
         """Each block's queries against its keys; the attended values ``[B, H, T, D]`` and, for a
         single block, its probabilities."""
         dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
-        pieces, probabilities = [], None
+        pieces, probabilities = [], {}
         for bias in biases:
             block = bias.block
             keys = slice(block.key_start, block.key_end)
-            block_q, block_k = self._decayed(q[:, :, block.query_start:block.query_end], k[:, :, keys], block,
-                                             first_position)
-            attended, probabilities = attend(
-                block_q, block_k, v[:, :, keys], bias,
+            attended, probabilities[block] = attend(
+                *self._positioned(q, k, block, first_position), v[:, :, keys], bias,
                 fused=self.setup.fused, dropout=dropout,
                 key_padding_mask=None if key_padding_mask is None else key_padding_mask[:, keys],
                 need_probabilities=need_probabilities, score_transform=self.score_transform)
             pieces.append(attended)
-        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)), probabilities
+        rows = self._whole_rows(biases, k.size(2), 0.0, lambda bias: probabilities[bias.block]) \
+            if need_probabilities else None
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)), rows
 
     def _update_cache(self, incremental_state, saved: Dict[str, Optional[Tensor]], k: Tensor, v: Tensor,
                       key_padding_mask: Optional[Tensor], positions_seen: int, state: Optional[Tensor]):

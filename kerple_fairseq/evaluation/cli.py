@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "for checkpoints of this version, the same as --model-overrides \"{'attn_window': W}\"")
     group.add_argument("--rotary-scaling", choices=[k for k in ROTARY_SCALINGS if k != "none"], default=None,
                        help="scale a rotary model's rotation at every evaluated length L by s = L / its training "
-                       "length (ntk, yarn), whatever it was trained with")
+                       "length (ntk, yarn), or each query's by the length it has reached (dynamic-ntk), "
+                       "whatever it was trained with")
     return parser
 
 

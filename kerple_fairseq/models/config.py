@@ -7,7 +7,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.models.transformer_lm import TransformerLanguageModelConfig
 
 from kerple_fairseq.attention.dape import VARIANTS as DAPE_VARIANTS
-from kerple_fairseq.attention.rotary import ROTARY_SCALINGS
+from kerple_fairseq.attention.rotary import DYNAMIC_NTK_STEP, ROTARY_SCALINGS
 from kerple_fairseq.kernels import kernel_names, option_fields
 from kerple_fairseq.layer_biases import layer_bias_names, layer_bias_option_fields
 
@@ -115,8 +115,9 @@ def _make_config():
                 metadata={
                     "help": "scale rotary beyond the training length (--tokens-per-sample), by s = "
                     "--rotary-scaling-length / training length: ntk (base b s^(D/(D-2))), yarn (frequencies "
-                    "ramped to theta/s, logits times (0.1 ln s + 1)^2); at evaluation: kerple-eval-lm "
-                    "--rotary-scaling, or --model-overrides"
+                    "ramped to theta/s, logits times (0.1 ln s + 1)^2); dynamic-ntk: ntk with s from the "
+                    "length each query has reached (in bands of --dynamic-ntk-step); at evaluation: "
+                    "kerple-eval-lm --rotary-scaling, or --model-overrides"
                 },
             ),
         ),
@@ -125,6 +126,13 @@ def _make_config():
             int,
             field(default=0, metadata={"help": "the length L_eval of s = L_eval / training length for ntk and "
                                        "yarn (kerple-eval-lm sets it per evaluated length); 0: s = 1"}),
+        ),
+        (
+            "dynamic_ntk_step",
+            int,
+            field(default=DYNAMIC_NTK_STEP, metadata={
+                "help": "dynamic-ntk: queries beyond the training length share one scale per band of this "
+                "many positions (1: every query its own; larger bands attend in fewer, larger blocks)"}),
         ),
         (
             "dape",

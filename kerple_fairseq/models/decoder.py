@@ -11,7 +11,7 @@ from fairseq.utils import safe_getattr
 
 from kerple_fairseq.attention.dape import build_score_transform
 from kerple_fairseq.attention.distance_bias import DistanceBias
-from kerple_fairseq.attention.rotary import XPOS_SCALE_BASE, RotaryEmbedding
+from kerple_fairseq.attention.rotary import DYNAMIC_NTK_STEP, XPOS_SCALE_BASE, RotaryEmbedding
 from kerple_fairseq.attention.self_attention import AttentionSetup, BiasedSelfAttention
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels import build_kernel
@@ -61,7 +61,8 @@ def attention_setup(args) -> AttentionSetup:
                                xpos_scale_base=safe_getattr(args, "xpos_scale_base", XPOS_SCALE_BASE),
                                scaling=safe_getattr(args, "rotary_scaling", "none"),
                                train_length=safe_getattr(args, "tokens_per_sample", 0) or 0,
-                               scaling_length=safe_getattr(args, "rotary_scaling_length", 0))
+                               scaling_length=safe_getattr(args, "rotary_scaling_length", 0),
+                               dynamic_step=safe_getattr(args, "dynamic_ntk_step", DYNAMIC_NTK_STEP))
         if safe_getattr(args, "rotary_embeddings", False) else None,
         block_size=block_size,
         fused=not safe_getattr(args, "unfused_attention", False),
