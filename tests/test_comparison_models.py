@@ -26,8 +26,10 @@ POSITION_ENCODINGS = {
     "dape_alibi": ["--arch", "transformer_lm_alibi{size}", "--dape", "mlp"],
     "dape_kerple_log": ["--arch", "transformer_lm_kerple{size}", "--dape", "mlp"],
     "rotary_ntk": ["--arch", "transformer_lm_rotary{size}", "--rotary-scaling", "ntk"],
+    "rotary_dynamic_ntk": ["--arch", "transformer_lm_rotary{size}", "--rotary-scaling", "dynamic-ntk"],
     "rotary_yarn": ["--arch", "transformer_lm_rotary{size}", "--rotary-scaling", "yarn"],
     "xpos": ["--arch", "transformer_lm_rotary{size}", "--rotary-xpos"],
+    "cope": ["--arch", "transformer_lm_cope{size}"],
 }
 POSITION_PARAMETERS = ("embed_positions.", "attention_bias.kernel.", "self_attn.layer_bias.", "self_attn.score_transform.")
 
@@ -65,7 +67,7 @@ def assert_differ_only_in_position(models):
     heads = models["alibi"].decoder.layers[0].self_attn.num_heads
     encoded = {name: position_parameters(model) for name, model in models.items()}
     assert encoded["nope"] == encoded["alibi"] == encoded["rotary"] == encoded["sinusoidal"] == 0
-    assert encoded["rotary_ntk"] == encoded["rotary_yarn"] == encoded["xpos"] == 0
+    assert encoded["rotary_ntk"] == encoded["rotary_dynamic_ntk"] == encoded["rotary_yarn"] == encoded["xpos"] == 0
     assert encoded["kerple_log"] == 2 * heads and encoded["t5"] == 32 * heads and encoded["learned"] > 0
     layers, width = len(models["alibi"].decoder.layers), models["alibi"].decoder.embed_dim
     # per layer: FIRE's Linear(1, 32), Linear(32, H), c and m; FoX's Linear(E, H); DAPE's Linear(2H, 32), Linear(32, H)
@@ -73,6 +75,9 @@ def assert_differ_only_in_position(models):
     assert encoded["fox"] == layers * (width * heads + heads)
     dape = layers * (2 * heads * 32 + 32 + 32 * heads + heads)
     assert encoded["dape_alibi"] == dape and encoded["dape_kerple_log"] == dape + 2 * heads
+    # per layer: CoPE's table [head dim, --tokens-per-sample + 1]
+    tokens = models["alibi"].decoder.max_target_positions
+    assert encoded["cope"] == layers * (width // heads) * (tokens + 1)
 
 
 def test_compared_models_are_among_those_checked_here():

@@ -65,7 +65,7 @@ def test_transformed_logits_and_gradients_equal_the_formula_by_loops(variant, re
     transform = build_score_transform(variant, heads, width=3, kernel_size=3).double()
     scores = torch.randn(batch, heads, length, length, dtype=torch.float64, requires_grad=True)
     bias = causal_bias(heads, length, window).requires_grad_()
-    logits = transform(scores, bias)
+    logits = transform(None, scores, bias)
     visible = torch.isfinite(bias)
     assert torch.equal(torch.isinf(logits), (~visible).expand_as(logits)), "-inf exactly where hidden"
     p = {name: q.detach().clone().requires_grad_() for name, q in transform.named_parameters()}
@@ -99,7 +99,7 @@ def test_hidden_cells_do_not_reach_visible_logits(variant):
     bias = causal_bias(2, 8, window=4).float()
     hidden = ~torch.isfinite(bias)
     changed = scores.masked_fill(hidden, 1e3)  # the scores of future keys and keys beyond the window
-    torch.testing.assert_close(transform(changed, bias), transform(scores, bias))
+    torch.testing.assert_close(transform(None, changed, bias), transform(None, scores, bias))
 
 
 def test_options_are_checked():

@@ -23,6 +23,8 @@ RUNS = {
     "dape-conv-fire": ["--bias-kernel", "fire", "--dape", "conv"],
     "dape-mlp-rotary": ["--arch", "transformer_lm_rotary", "--dape", "mlp"],
     "xpos": ["--arch", "transformer_lm_rotary", "--rotary-xpos"],
+    "cope": ["--arch", "transformer_lm_cope"],
+    "cope-alibi": ["--bias-kernel", "alibi", "--cope"],
 }
 
 
@@ -41,6 +43,8 @@ def test_trains_with_falling_loss_and_evaluates_at_8x_the_training_length(data_b
         assert any(".self_attn.layer_bias." in k for k in model)
     if "--dape" in flags:
         assert any(".self_attn.score_transform." in k for k in model)
+    if run.startswith("cope"):  # the tables start at zero and are learned
+        assert all(model[f"decoder.layers.{n}.self_attn.score_transform.embeddings"].abs().max() > 0 for n in range(2))
     results = tmp_path / "results.json"
     with pytest.raises(SystemExit) as exit_info:
         cli_main([str(data_bin), "--path", str(checkpoint), "--gen-subset", "valid", "--cpu", "--no-progress-bar",

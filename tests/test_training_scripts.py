@@ -106,7 +106,8 @@ def test_gpu_command_is_the_fp16_multi_gpu_recipe(monkeypatch, capsys, tmp_path)
     ("alibi", ["--data", "/nonexistent"], "is not a data-bin (no dict.txt); run: bash scripts/prepare-wikitext-103.sh"),
     ("alibi", ["--nodes", "2"], "--nodes > 1 needs --master HOST:PORT"),
     ("alibi_v2", [], "unknown model 'alibi_v2': choose a position encoding (sinusoidal, rotary, nope, t5, alibi, "
-                     "kerple_log, fire, fox, dape_alibi, dape_kerple_log, rotary_ntk, rotary_yarn, xpos) or a bias "
+                     "kerple_log, fire, fox, dape_alibi, dape_kerple_log, rotary_ntk, rotary_dynamic_ntk, rotary_yarn, "
+                     "xpos, cope) or a bias "
                      "kernel (alibi, alibi_rf, fire, fox, "),
 ])
 def test_bad_input_is_one_line(data_bin, model, flags, message):

@@ -22,8 +22,9 @@ Other methods plug in as follows:
   positions of the block's queries and keys, the Forgetting Transformer from the layer's input)
   is added to the block's distance bias by :class:`~kerple_fairseq.attention.layer_bias.LayerBlockBias`,
   ``[heads, ...]`` or ``[batch, heads, ...]``; both backends take either;
-- a **score transform** (DAPE, :mod:`kerple_fairseq.attention.dape`) needs the scores, so it
-  runs on the explicit backend, one block at a time.
+- a **score transform** (DAPE, :mod:`kerple_fairseq.attention.dape`; CoPE,
+  :mod:`kerple_fairseq.attention.cope`) needs the scores, so it runs on the explicit backend, one
+  block at a time.
 """
 
 from typing import Callable, Optional, Tuple
@@ -35,8 +36,8 @@ from torch import Tensor
 from kerple_fairseq.attention import kernel_gradient
 from kerple_fairseq.attention.distance_bias import DistanceBlockBias
 
-#: ``transform(scores, bias)``: the logits from the scores and the bias (DAPE)
-ScoreTransform = Callable[[Tensor, Tensor], Tensor]
+#: ``transform(q, scores, bias)``: the logits from the block's queries, scores and bias (DAPE, CoPE)
+ScoreTransform = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 
 def choose_backend(q: Tensor, k: Tensor, bias: DistanceBlockBias, *, fused: bool, dropout: float,
@@ -77,8 +78,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: DistanceBlockBias, *, fused: b
 
 def biased_scores(q: Tensor, k: Tensor, bias: DistanceBlockBias, key_padding_mask: Optional[Tensor] = None,
                   score_transform: Optional[ScoreTransform] = None) -> Tensor:
-    """``[B, H, T, S]`` logits ``(q k^T) * W + B`` (or ``score_transform`` of ``(q k^T) * W`` and
-    ``B``), ``-inf`` at padded keys."""
+    """``[B, H, T, S]`` logits ``(q k^T) * W + B`` (or ``score_transform`` of ``q``, ``(q k^T) * W``
+    and ``B``), ``-inf`` at padded keys."""
     scores = torch.matmul(q, k.transpose(-1, -2))
     weight = bias.weight(q.dtype, q.device)
     if weight is not None:
@@ -89,7 +90,7 @@ def biased_scores(q: Tensor, k: Tensor, bias: DistanceBlockBias, key_padding_mas
         # padded keys are hidden from the transform as future keys are
         if padding is not None:
             mask = mask.masked_fill(padding, float("-inf"))
-        return score_transform(scores, mask)
+        return score_transform(q, scores, mask)
     scores += mask  # in place
     if padding is not None:
         scores.masked_fill_(padding, float("-inf"))

@@ -26,7 +26,8 @@ class ScoreTransform(nn.Module):
         super().__init__()
         self.g = g
 
-    def forward(self, scores: Tensor, bias: Tensor) -> Tensor:
+    def forward(self, q: Tensor, scores: Tensor, bias: Tensor) -> Tensor:
+        """The logits of a block from its ``scores`` and ``bias`` (its queries ``q`` are not read)."""
         visible = torch.isfinite(bias)
         bias_in = bias.masked_fill(~visible, 0.0).to(scores.dtype).expand_as(scores)
         features = torch.cat([scores.masked_fill(~visible, 0.0), bias_in], dim=1)

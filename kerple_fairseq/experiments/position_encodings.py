@@ -29,10 +29,13 @@ POSITION_ENCODINGS = {
     "fox": PositionEncoding("FoX", "kerple", ("--bias-kernel", "fox")),
     "dape_alibi": PositionEncoding("DAPE-ALiBi", "alibi", ("--dape", "mlp")),
     "dape_kerple_log": PositionEncoding("DAPE-KERPLE-log", "kerple", ("--dape", "mlp")),
-    # rotary trained as `rotary` is, then scaled at every evaluated length by s = L / L_train
+    # rotary trained as `rotary` is, then scaled at evaluation: by s = L / L_train at every evaluated length,
     "rotary_ntk": PositionEncoding("rotary+NTK", "rotary", ("--rotary-scaling", "ntk")),
+    # the same, with each query's own scale: the length it has reached over L_train
+    "rotary_dynamic_ntk": PositionEncoding("rotary+dynamic NTK", "rotary", ("--rotary-scaling", "dynamic-ntk")),
     "rotary_yarn": PositionEncoding("rotary+YaRN", "rotary", ("--rotary-scaling", "yarn")),
     "xpos": PositionEncoding("xPos", "rotary", ("--rotary-xpos",)),
+    "cope": PositionEncoding("CoPE", "cope"),
 }
 # learned positions are not among them: they cannot be evaluated beyond the training length
 

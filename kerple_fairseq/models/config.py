@@ -146,6 +146,24 @@ def _make_config():
                 },
             ),
         ),
+        (
+            "cope",
+            bool,
+            field(
+                default=False,
+                metadata={
+                    "help": "CoPE: add q . e(p) to the logits, p the sum of the query's gates sigmoid(q . k) from "
+                    "each key to itself, e a learned table per layer read between integer positions; composes "
+                    "with every kernel and rotary; attention then runs on the explicit path, block by block"
+                },
+            ),
+        ),
+        (
+            "cope_max_positions",
+            int,
+            field(default=0, metadata={"help": "CoPE: positions in each layer's table (counts are clipped below "
+                                       "it); 0: --tokens-per-sample + 1"}),
+        ),
         ("dape_width", int, field(default=32, metadata={"help": "DAPE: hidden width of each layer's network"})),
         (
             "dape_kernel_size",

@@ -9,6 +9,7 @@ from fairseq.modules import transformer_layer
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.utils import safe_getattr
 
+from kerple_fairseq.attention.cope import ContextualPositions
 from kerple_fairseq.attention.dape import build_score_transform
 from kerple_fairseq.attention.distance_bias import DistanceBias
 from kerple_fairseq.attention.rotary import DYNAMIC_NTK_STEP, XPOS_SCALE_BASE, RotaryEmbedding
@@ -49,6 +50,13 @@ def attention_setup(args) -> AttentionSetup:
     kernel = build_kernel(kernel_name, heads, args, head_dim=head_dim)
     dape = partial(build_score_transform, safe_getattr(args, "dape", "none"), heads,
                    safe_getattr(args, "dape_width", 32), safe_getattr(args, "dape_kernel_size", 3))
+    score_transform = dape if dape() is not None else None
+    if safe_getattr(args, "cope", False):
+        if score_transform is not None:
+            raise KernelConfigError("--cope and --dape both rewrite the attention logits; choose one")
+        positions = safe_getattr(args, "cope_max_positions", 0) or (safe_getattr(args, "tokens_per_sample", 0) or 0) + 1
+        score_transform = partial(ContextualPositions, head_dim, positions)
+        score_transform()  # options are checked once, before any layer is built
     block_size = safe_getattr(args, "attention_block_size", DEFAULT_BLOCK_SIZE)
     if block_size < 0:
         raise KernelConfigError(f"--attention-block-size must be >= 0 (0: no blocks), got {block_size}")
@@ -68,7 +76,7 @@ def attention_setup(args) -> AttentionSetup:
         fused=not safe_getattr(args, "unfused_attention", False),
         cache_size=cache_size,
         layer_bias=layer_bias,
-        score_transform=dape if dape() is not None else None,
+        score_transform=score_transform,
     )
 
 

@@ -57,10 +57,11 @@ class KernelBiasedLanguageModel(TransformerLanguageModel):
             return super().build_model(args, task)
 
 
-def _plugin_defaults(args, default_kernel: str, rotary: bool = False, token_positions: bool = False,
-                     learned_positions: bool = False) -> None:
+def _plugin_defaults(args, default_kernel: str, rotary: bool = False, cope: bool = False,
+                     token_positions: bool = False, learned_positions: bool = False) -> None:
     args.bias_kernel = safe_getattr(args, "bias_kernel", default_kernel)
     args.rotary_embeddings = safe_getattr(args, "rotary_embeddings", rotary)
+    args.cope = safe_getattr(args, "cope", cope)
     args.attn_window = safe_getattr(args, "attn_window", 0)
     args.token_positional_embeddings = safe_getattr(args, "token_positional_embeddings", token_positions)
     args.decoder_learned_pos = safe_getattr(args, "decoder_learned_pos", learned_positions)
@@ -94,6 +95,7 @@ kerple_base_architecture = register_architectures("kerple", "kerple_log", "KERPL
 register_architectures("alibi", "alibi", "ALiBi bias, no token positions")
 register_architectures("rotary", "none", "rotary positions, no bias (``--attn-window W``: the super-baseline)",
                        rotary=True)
+register_architectures("cope", "none", "CoPE (contextual positions), no bias", cope=True)
 # the positional baselines built exactly as the kernel models are (stock ``--arch transformer_lm`` is
 # not: it keeps 512-wide embeddings and post-LayerNorm when ``--decoder-embed-dim`` is changed)
 register_architectures("sinusoidal", "none", "sinusoidal token positions, no bias", token_positions=True)
