@@ -303,10 +303,15 @@ def test_readme_lists_every_kernel_and_option():
     readme = (REPO / "README.md").read_text()
     from kerple_fairseq.layer_biases import LAYER_BIASES, layer_bias_option_fields
 
-    for name in [*KERNELS, *LAYER_BIASES, "--dape mlp", "--dape conv"]:
-        assert f"| `{name}` |" in readme, f"README's kernel table lacks {name}"
+    from kerple_fairseq.attention.rotary import ROTARY_SCALINGS
+
+    scalings = [f"--rotary-scaling {name}" for name in ROTARY_SCALINGS if name != "none"]
+    for name in [*KERNELS, *LAYER_BIASES, "--dape mlp", "--dape conv", "--rotary-xpos", *scalings]:
+        assert f"| `{name}` |" in readme, f"README's method table lacks {name}"
+    assert "| `--cope` (`transformer_lm_cope`) |" in readme, "README's method table lacks CoPE"
     for f in option_fields() + layer_bias_option_fields():
         flag = "--" + f.name.replace("_", "-")
         assert flag in readme, f"README does not mention {flag}"
-    for flag in ("--dape-width", "--dape-kernel-size"):
+    for flag in ("--dape-width", "--dape-kernel-size", "--cope-max-positions", "--xpos-scale-base",
+                 "--rotary-scaling-length", "--dynamic-ntk-step"):
         assert flag in readme, f"README does not mention {flag}"
