@@ -31,8 +31,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--models", nargs="+", default=DEFAULT_MODELS,
-                   help="none, sinusoidal and any --bias-kernel name, which +dape or +dape-conv follows for DAPE "
-                   "v1 or v2 over it, e.g. alibi+dape (default: %(default)s)")
+                   help="none, sinusoidal and any --bias-kernel name, which +dape, +dape-conv or +cope follows for "
+                   "DAPE v1 or v2 or CoPE over it, e.g. alibi+dape, none+cope (default: %(default)s)")
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048], help="sequence lengths timed")
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch (batch = tokens / length)")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per model and length (median reported)")

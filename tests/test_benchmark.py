@@ -38,7 +38,7 @@ def test_quick_benchmark_reports_ratios_to_none(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in generation)
 
 
-def test_models_name_a_kernel_and_optionally_dape_over_it():
+def test_models_name_a_kernel_and_optionally_dape_or_cope_over_it():
     import argparse
 
     from kerple_fairseq.experiments.benchmark import build, model_flags
@@ -48,6 +48,7 @@ def test_models_name_a_kernel_and_optionally_dape_over_it():
     assert flags[:6] == ["--arch", "transformer_lm_kerple", "--bias-kernel", "alibi", "--dape", "mlp"]
     assert model_flags("fire+dape-conv", args)[3:6] == ["fire", "--dape", "conv"]
     assert "--dape" not in model_flags("fox", args)
+    assert model_flags("none+cope", args)[3:5] == ["none", "--cope"]
     model = build("kerple_log+dape-conv", args, "cpu")
     assert model.decoder.layers[0].self_attn.score_transform is not None
     with pytest.raises(ValueError, match="unknown model 'alibi\\+rope'"):

@@ -21,23 +21,24 @@ from kerple_fairseq.experiments.paths import SCRIPTS
 STOCK = {"none": ["--arch", "transformer_lm", "--no-token-positional-embeddings"],
          "sinusoidal": ["--arch", "transformer_lm"]}
 DEFAULT_MODELS = ["none", "sinusoidal", "alibi", "kerple_log", "kerple_power", "t5"]
-DAPE_SUFFIXES = ("", "dape", "dape-conv")  # after "+": DAPE v1 or v2 over the kernel
+#: after "+": DAPE v1 or v2, or CoPE, over the kernel
+SCORE_TRANSFORMS = {"": [], "dape": ["--dape", "mlp"], "dape-conv": ["--dape", "conv"], "cope": ["--cope"]}
 
 
 def model_flags(name: str, args: argparse.Namespace, extra: Sequence[str] = ()) -> list:
     """Stock ``transformer_lm`` for ``none`` and ``sinusoidal``, else the plugin with ``--bias-kernel KERNEL``
-    for ``name`` = ``KERNEL`` or ``KERNEL+dape`` / ``KERNEL+dape-conv`` (with ``--dape mlp`` / ``conv``), and the
+    for ``name`` = ``KERNEL`` or ``KERNEL+dape`` / ``+dape-conv`` / ``+cope`` (with ``--dape mlp`` / ``conv``, ``--cope``), and the
     ``--model-args`` (then ``extra``); every model long enough for every length measured."""
     size = model_size_flags(args.layers, args.width, args.heads, dropout=0.1)
     positions = ["--max-target-positions", str(max(args.lengths + args.memory_lengths + [1024]))]
     if name in STOCK:
         return [*STOCK[name], *size, *positions]
-    kernel, _, dape = name.partition("+")
-    if dape not in DAPE_SUFFIXES:
-        raise ValueError(f"unknown model {name!r}: a kernel name, optionally followed by {' or '.join(DAPE_SUFFIXES[1:])}")
-    dape_flags = ["--dape", "conv" if dape == "dape-conv" else "mlp"] if dape else []
-    return ["--arch", "transformer_lm_kerple", "--bias-kernel", kernel, *dape_flags, *size, *args.model_args, *extra,
-            *positions]
+    kernel, _, transform = name.partition("+")
+    if transform not in SCORE_TRANSFORMS:
+        raise ValueError(f"unknown model {name!r}: a kernel name, optionally followed by "
+                         f"{' or '.join('+' + t for t in SCORE_TRANSFORMS if t)}")
+    return ["--arch", "transformer_lm_kerple", "--bias-kernel", kernel, *SCORE_TRANSFORMS[transform], *size,
+            *args.model_args, *extra, *positions]
 
 
 def build(name: str, args: argparse.Namespace, device: torch.device, extra: Sequence[str] = ()):
