@@ -89,7 +89,7 @@ class BiasedSelfAttention(MultiheadAttention):
                                                               first_position + num_queries, state)
 
         need_probabilities = need_weights or need_head_weights
-        # probabilities and scores are returned for every (query, key): one block over all keys
+        # probabilities and scores are returned for every (query, key): blocks over all keys
         biases = self._block_biases(num_queries, k.size(2), need_probabilities or before_softmax, first_position,
                                     state)
         if before_softmax:
@@ -112,8 +112,8 @@ class BiasedSelfAttention(MultiheadAttention):
 
     def _block_biases(self, num_queries: int, num_keys: int, whole_rows: bool, first_position: int,
                       state: Optional[Tensor]) -> List[DistanceBlockBias]:
-        """The bias of each block of queries (:func:`query_blocks`); with ``whole_rows``, one block
-        against every key. Query 0 is at absolute position ``first_position``; ``state`` is the layer
+        """The bias of each block of queries (:func:`query_blocks`); with ``whole_rows``, blocks against
+        every key up to their last query, split only where dynamic NTK's bands start. Query 0 is at absolute position ``first_position``; ``state`` is the layer
         bias's state of every key."""
         window = self.setup.bias.attention_window
         rotary = self.setup.rotary
@@ -150,8 +150,8 @@ class BiasedSelfAttention(MultiheadAttention):
 
     def _attend_block_by_block(self, q: Tensor, k: Tensor, v: Tensor, biases: List[DistanceBlockBias],
                                key_padding_mask: Optional[Tensor], need_probabilities: bool, first_position: int):
-        """Each block's queries against its keys; the attended values ``[B, H, T, D]`` and, for a
-        single block, its probabilities."""
+        """Each block's queries against its keys; the attended values ``[B, H, T, D]`` and, with
+        ``need_probabilities``, the probabilities laid out over every key ``[B, H, T, S]``."""
         dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
         pieces, probabilities = [], {}
         for bias in biases:
