@@ -89,3 +89,44 @@ def test_kernel_curves_effective_lengths_and_receptive_field_of_each_layer(data_
     cli_main(["receptive-field", str(data_bin), "--path", checkpoint, "--length", "128", "--num-segments", "2",
               "--cpu", "--no-progress-bar", "--out", str(tmp_path / "a")])
     assert (tmp_path / "a" / "receptive-field.json").is_file()
+
+
+def test_cope_curves_add_the_mean_term_by_distance_to_the_kernel(data_bin, tmp_path, capsys, monkeypatch):
+    """kerple-analyze draws CoPE over ALiBi per layer and head as ALiBi's bias plus CoPE's term averaged
+    over every query and key d apart (relative to d = 0), which a loop over the pairs reproduces."""
+    from kerple_fairseq.analysis import cope_curves
+    from kerple_fairseq.analysis.cli import cli_main
+    from kerple_fairseq.analysis.kernel_curves import load_kernel
+    from kerple_fairseq.evaluation.loading import load_language_model, token_stream
+    from kerple_fairseq.kernels.alibi import alibi_slopes
+
+    train_in_process(data_bin, tmp_path, 4, "--arch", "transformer_lm_alibi", *SIZE, "--cope")
+    checkpoint = str(tmp_path / "checkpoint_last.pt")
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["kernels", "--path", checkpoint, "--out", str(tmp_path / "a")])
+    assert exit_info.value.code == 1
+    assert "depends on the input: give --data DIR" in capsys.readouterr().err
+    monkeypatch.setattr(cope_curves, "CURVE_TOKENS", 120)
+    curves = load_kernel(checkpoint, "cope", str(data_bin)).curves(39)  # 3 segments of 40 tokens
+
+    model, task, _ = load_language_model(checkpoint, str(data_bin))
+    model.eval()
+    captured = {n: [] for n in range(2)}
+    for n, layer in enumerate(model.decoder.layers):
+        layer.self_attn.score_transform.register_forward_hook(
+            lambda module, inputs, logits, n=n: captured[n].append((logits - inputs[1] - inputs[2])[0].double()))
+    stream = token_stream(task, str(data_bin), "valid")
+    with torch.no_grad():
+        for start in (0, 40, 80):
+            model(stream[start:start + 40][None])
+    slopes = alibi_slopes(4)
+    for n in range(2):
+        for h in range(4):
+            means = []
+            for d in range(40):
+                cells = [term[h, t, t - d].item() for term in captured[n] for t in range(d, 40)]
+                means.append(sum(cells) / len(cells))
+            expected = -slopes[h] * np.arange(40) + np.array(means) - means[0]
+            np.testing.assert_allclose(curves[4 * n + h], expected, rtol=0, atol=1e-5)
+    terms = curves + np.tile(slopes, 2)[:, None] * np.arange(40)
+    assert np.ptp(terms, axis=1).max() > 1e-4, "a trained term varies with distance"

@@ -16,6 +16,7 @@ from kerple_fairseq.errors import KernelConfigError, UsageError
 from kerple_fairseq.evaluation.loading import load_checkpoint_state
 from kerple_fairseq.kernels import BiasKernel, build_kernel
 from kerple_fairseq.attention.distance_bias import DistanceBias
+from kerple_fairseq.analysis.cope_curves import CheckpointContextualPositions
 from kerple_fairseq.analysis.layer_bias_curves import load_layer_biases
 from kerple_fairseq.layer_biases import LAYER_BIASES
 
@@ -65,8 +66,9 @@ class CheckpointKernel:
 def load_kernel(path: str, label: str, data: Optional[str] = None, split: str = "valid"):
     """The kernel of a kerple_fairseq checkpoint with its trained parameters (a
     :class:`CheckpointKernel`), or its layers' biases
-    (:class:`~kerple_fairseq.analysis.layer_bias_curves.CheckpointLayerBiases`); only a bias that
-    depends on the input needs ``data``, the data-bin whose ``split`` gives it."""
+    (:class:`~kerple_fairseq.analysis.layer_bias_curves.CheckpointLayerBiases`), with CoPE's mean term
+    where it has one (:class:`~kerple_fairseq.analysis.cope_curves.CheckpointContextualPositions`);
+    only what depends on the input needs ``data``, the data-bin whose ``split`` gives it."""
     state = load_checkpoint_state(path)
     cfg = state.get("cfg")
     model_cfg = cfg["model"] if cfg is not None else None
@@ -77,7 +79,19 @@ def load_kernel(path: str, label: str, data: Optional[str] = None, split: str = 
                          "need a model trained with --user-dir kerple_fairseq")
     train_length = int(cfg["task"].tokens_per_sample)
     if name in LAYER_BIASES:
-        return load_layer_biases(path, label, state, model_cfg, train_length, data, split)
+        under = load_layer_biases(path, label, state, model_cfg, train_length, data, split)
+    else:
+        under = _checkpoint_kernel(path, label, state, name, model_cfg, train_length)
+    if not getattr(model_cfg, "cope", False):
+        return under
+    if data is None:
+        raise UsageError(f"the CoPE term of {path} depends on the input: give --data DIR (the data-bin it was "
+                         "trained with) for its mean curves")
+    return CheckpointContextualPositions(label, under, path, data, split, int(model_cfg.decoder_layers),
+                                         int(model_cfg.decoder_attention_heads))
+
+
+def _checkpoint_kernel(path: str, label: str, state: dict, name: str, model_cfg, train_length: int) -> CheckpointKernel:
     try:
         kernel = build_kernel(name, model_cfg.decoder_attention_heads, model_cfg)
         weights = {k[len(KERNEL_PREFIX):]: v.float() if v.is_floating_point() else v

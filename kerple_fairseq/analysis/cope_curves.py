@@ -1,0 +1,99 @@
+"""The curves of CoPE, drawn and measured as the kernels' are.
+
+CoPE's term ``q_i . e(p_ij)`` depends on the content, so a checkpoint gives one curve per layer
+and head: the bias under it (its distance kernel's ``B_h(d)``, or its layer's bias) plus the
+term's mean over every query and key ``d`` apart in a split's first tokens, relative to its
+mean at ``d = 0`` (softmax ignores a row's constant).
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
+
+import numpy as np
+import torch
+
+from kerple_fairseq.analysis.layer_bias_curves import CURVE_TOKENS
+from kerple_fairseq.errors import UsageError
+from kerple_fairseq.evaluation.loading import load_language_model, token_stream
+
+
+@dataclass
+class CheckpointContextualPositions:
+    label: str
+    under: object  # the curves of the bias under CoPE (a CheckpointKernel or CheckpointLayerBiases)
+    path: str
+    data: str
+    split: str
+    num_layers: int
+    num_heads: int
+    measured: Dict[int, np.ndarray] = field(default_factory=dict)  # mean terms by max_distance
+
+    @property
+    def name(self) -> str:
+        return self.under.name
+
+    @property
+    def attention_window(self) -> int:
+        return self.under.attention_window
+
+    @property
+    def train_length(self) -> int:
+        return self.under.train_length
+
+    def curves(self, max_distance: int) -> np.ndarray:
+        """``[layers * heads, max_distance + 1]`` float64, layer by layer, ``-inf`` from the window on."""
+        if max_distance not in self.measured:
+            self.measured[max_distance] = mean_terms_by_distance(self.path, self.data, self.split, max_distance)
+        terms = self.measured[max_distance]
+        terms = terms - terms[:, :, :1]
+        under = self.under.curves(max_distance).reshape(-1, self.num_heads, max_distance + 1)
+        return (under + terms).reshape(-1, max_distance + 1)
+
+    def curve_keys(self) -> List[Tuple[int, int]]:
+        """``(layer, head)`` of each curve."""
+        return [(layer + 1, head + 1) for layer in range(self.num_layers) for head in range(self.num_heads)]
+
+    def description(self, max_distance: int) -> str:
+        return ", ".join(filter(None, [self.under.description(max_distance), "with CoPE's mean term"]))
+
+    def learned_values(self) -> Dict[str, List[float]]:
+        return self.under.learned_values()
+
+    def weight_curves(self, max_distance: int) -> None:
+        return None
+
+
+def mean_terms_by_distance(path: str, data: str, split: str, max_distance: int) -> np.ndarray:
+    """``[layers, heads, max_distance + 1]``: each layer's CoPE term at every query and key ``d``
+    apart (0 where the key is hidden, beyond a window), averaged over segments of ``max_distance + 1``
+    tokens of the split's first ``max(CURVE_TOKENS, 2 (max_distance + 1))``."""
+    model, task, _ = load_language_model(path, data)
+    model.eval()
+    model.decoder.setup.block_size = 0  # one block per layer: query t and key s are t - s apart
+    length = max_distance + 1
+    stream = token_stream(task, data, split)[:max(CURVE_TOKENS, 2 * length)]
+    layers = model.decoder.layers
+    sums = torch.zeros(len(layers), layers[0].self_attn.num_heads, length, dtype=torch.float64)
+    pairs = torch.zeros(length, dtype=torch.float64)
+
+    def accumulate(n):
+        def hook(module, inputs, logits):
+            _, scores, bias = inputs
+            visible = torch.isfinite(bias)
+            term = torch.where(visible, logits - scores - bias.masked_fill(~visible, 0.0), 0.0).double()
+            for d in range(length):
+                sums[n, :, d] += term.diagonal(offset=-d, dim1=-2, dim2=-1).sum(dim=(0, -1))
+        return hook
+
+    hooks = [layer.self_attn.score_transform.register_forward_hook(accumulate(n)) for n, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            for start in range(0, len(stream) - length + 1, length):
+                model(stream[start:start + length][None])
+                pairs += torch.arange(length, 0, -1, dtype=torch.float64)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if not pairs.any():
+        raise UsageError(f"the {split} split of {data} has fewer than {length} tokens")
+    return (sums / pairs).numpy()
