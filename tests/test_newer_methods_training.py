@@ -100,7 +100,8 @@ def test_cope_curves_add_the_mean_term_by_distance_to_the_kernel(data_bin, tmp_p
     from kerple_fairseq.evaluation.loading import load_language_model, token_stream
     from kerple_fairseq.kernels.alibi import alibi_slopes
 
-    train_in_process(data_bin, tmp_path, 4, "--arch", "transformer_lm_alibi", *SIZE, "--cope")
+    train_in_process(data_bin, tmp_path, 4, "--arch", "transformer_lm_alibi", *SIZE, "--cope",
+                     "--attention-block-size", "16")  # the curves come from blocks of 16, 16 and 8 queries
     checkpoint = str(tmp_path / "checkpoint_last.pt")
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["kernels", "--path", checkpoint, "--out", str(tmp_path / "a")])
@@ -111,6 +112,7 @@ def test_cope_curves_add_the_mean_term_by_distance_to_the_kernel(data_bin, tmp_p
 
     model, task, _ = load_language_model(checkpoint, str(data_bin))
     model.eval()
+    model.decoder.setup.block_size = 0  # here one block of 40 queries
     captured = {n: [] for n in range(2)}
     for n, layer in enumerate(model.decoder.layers):
         layer.self_attn.score_transform.register_forward_hook(

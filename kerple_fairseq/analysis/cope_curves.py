@@ -64,25 +64,30 @@ class CheckpointContextualPositions:
 
 
 def mean_terms_by_distance(path: str, data: str, split: str, max_distance: int) -> np.ndarray:
-    """``[layers, heads, max_distance + 1]``: each layer's CoPE term at every query and key ``d``
-    apart (0 where the key is hidden, beyond a window), averaged over segments of ``max_distance + 1``
-    tokens of the split's first ``max(CURVE_TOKENS, 2 (max_distance + 1))``."""
+    """``[layers, heads, max_distance + 1]``: each layer's CoPE term, averaged over every query and
+    visible key ``d`` apart, in segments of ``max_distance + 1`` tokens of the split's first
+    ``max(CURVE_TOKENS, 2 (max_distance + 1))`` (0 at a distance no query sees, beyond a window)."""
     model, task, _ = load_language_model(path, data)
     model.eval()
-    model.decoder.setup.block_size = 0  # one block per layer: query t and key s are t - s apart
     length = max_distance + 1
     stream = token_stream(task, data, split)[:max(CURVE_TOKENS, 2 * length)]
     layers = model.decoder.layers
-    sums = torch.zeros(len(layers), layers[0].self_attn.num_heads, length, dtype=torch.float64)
-    pairs = torch.zeros(length, dtype=torch.float64)
+    heads = layers[0].self_attn.num_heads
+    sums = torch.zeros(len(layers), heads, length + 1, dtype=torch.float64)  # the last: future keys
+    pairs = torch.zeros(len(layers), length + 1, dtype=torch.float64)
 
     def accumulate(n):
         def hook(module, inputs, logits):
             _, scores, bias = inputs
-            visible = torch.isfinite(bias)
-            term = torch.where(visible, logits - scores - bias.masked_fill(~visible, 0.0), 0.0).double()
-            for d in range(length):
-                sums[n, :, d] += term.diagonal(offset=-d, dim1=-2, dim2=-1).sum(dim=(0, -1))
+            num_queries, num_keys = scores.shape[-2:]
+            # a block's keys end with its last query: query t and key s are (S - T) + t - s apart
+            distance = (num_keys - num_queries) + torch.arange(num_queries)[:, None] - torch.arange(num_keys)[None, :]
+            visible = torch.isfinite(bias).reshape(-1, num_queries, num_keys)[0]  # alike in every head
+            bins = distance.masked_fill(~visible, length).flatten()
+            term = (logits - scores - bias.masked_fill(~torch.isfinite(bias), 0.0)).double()
+            term = term.masked_fill(~torch.isfinite(bias), 0.0).sum(dim=0).flatten(1)  # [heads, T S]
+            sums[n].index_add_(1, bins, term)
+            pairs[n].index_add_(0, bins, torch.ones_like(bins, dtype=torch.float64) * scores.size(0))
         return hook
 
     hooks = [layer.self_attn.score_transform.register_forward_hook(accumulate(n)) for n, layer in enumerate(layers)]
@@ -90,10 +95,9 @@ def mean_terms_by_distance(path: str, data: str, split: str, max_distance: int) 
         with torch.no_grad():
             for start in range(0, len(stream) - length + 1, length):
                 model(stream[start:start + length][None])
-                pairs += torch.arange(length, 0, -1, dtype=torch.float64)
     finally:
         for hook in hooks:
             hook.remove()
     if not pairs.any():
         raise UsageError(f"the {split} split of {data} has fewer than {length} tokens")
-    return (sums / pairs).numpy()
+    return (sums / pairs.clamp(min=1)[:, None, :])[:, :, :length].numpy()
