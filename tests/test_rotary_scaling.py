@@ -222,3 +222,19 @@ def test_stock_fairseq_eval_lm_through_model_overrides(data_bin, rotary_checkpoi
     out = proc.stdout + proc.stderr
     stock = float(out.rsplit("Perplexity: ", 1)[1].split()[0])
     assert stock == pytest.approx(ours, rel=1e-3)
+
+
+def test_analyses_scale_a_scaled_rotary_model_for_their_length(data_bin, tmp_path):
+    """kerple-analyze's position-wise and receptive-field runs a model trained with --rotary-scaling ntk
+    at their --length as kerple-eval-lm does: s = length / training length."""
+    import argparse
+
+    from kerple_fairseq.analysis.cli import load_for_data
+    from kerple_fairseq.evaluation.loading import rotary_embedding
+    from kerple_fairseq.experiments.language_models import model_size_flags
+
+    train_in_process(data_bin, tmp_path, 2, "--arch", "transformer_lm_rotary", "--rotary-scaling", "ntk",
+                     *model_size_flags(layers=1, width=32, heads=4))
+    args = argparse.Namespace(data=str(data_bin), length=256, cpu=True)
+    model, _, train_length, _ = load_for_data(args, str(tmp_path / "checkpoint_last.pt"))
+    assert rotary_embedding(model).scale_factor() == 256 / train_length == 4

@@ -34,7 +34,7 @@ from kerple_fairseq.analysis.receptive_field import receptive_field, theoretical
 from kerple_fairseq.errors import KernelConfigError, UsageError
 from kerple_fairseq.evaluation import per_token
 from kerple_fairseq.evaluation.cli import positive_int
-from kerple_fairseq.evaluation.loading import length_limit, load_language_model, token_stream
+from kerple_fairseq.evaluation.loading import length_limit, load_language_model, scale_rotary_for_length, token_stream
 from kerple_fairseq.evaluation.spans import PROTOCOLS
 
 PROG = "kerple-analyze"
@@ -243,6 +243,7 @@ def load_for_data(args, path: str):
     limit = length_limit(model)
     if limit is not None and args.length > limit:
         raise UsageError(f"--length {args.length} exceeds the {limit} learned positional embeddings of {path}")
+    scale_rotary_for_length(model, args.length, cfg.task.tokens_per_sample)  # as kerple-eval-lm at this length
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
     model.to(device).eval()
     return model, task, cfg.task.tokens_per_sample, device

@@ -24,7 +24,7 @@ from kerple_fairseq.attention.rotary import ROTARY_SCALINGS
 from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation import spans as S
 from kerple_fairseq.evaluation.loading import (check_checkpoint, check_data_bin, length_limit, load_language_model,
-                                               token_stream)
+                                               rotary_embedding, scale_rotary_for_length, token_stream)
 from kerple_fairseq.evaluation.per_token import TokenScores, stream_fingerprint
 from kerple_fairseq.evaluation.per_token import save as save_per_token
 from kerple_fairseq.evaluation.scorer import WindowScorer, loss_by_position
@@ -112,12 +112,6 @@ def load_model(cfg, attn_window=None):
     return model, task, saved.task.tokens_per_sample
 
 
-def rotary_embedding(model):
-    """The rotary embedding of a plugin model, or None."""
-    setup = getattr(model.decoder, "setup", None)
-    return getattr(setup, "rotary", None)
-
-
 def summarise(protocol: str, length: int, scores: List[np.ndarray]) -> Dict:
     num_tokens = int(sum(s.size for s in scores))
     if num_tokens == 0:
@@ -197,8 +191,7 @@ def evaluate(args, cfg) -> int:
                   file=sys.stderr)
             failed.append(length)
             continue
-        if rotary is not None and rotary.scaling != "none":
-            rotary.set_scaling(rotary.scaling, train_length, length)  # s = L / L_train at this length
+        scale_rotary_for_length(model, length, train_length)
         for protocol in protocols:
             if protocol == "early-token-cursed":
                 spans = S.early_token_cursed(len(stream), length)

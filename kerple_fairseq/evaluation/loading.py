@@ -136,3 +136,17 @@ def length_limit(model):
     if isinstance(positions, LearnedPositionalEmbedding):
         return positions.max_positions
     return None
+
+
+def rotary_embedding(model):
+    """The rotary embedding of a plugin model, or None."""
+    setup = getattr(model.decoder, "setup", None)
+    return getattr(setup, "rotary", None)
+
+
+def scale_rotary_for_length(model, length: int, train_length: int) -> None:
+    """A model with rotary scaling by the evaluated length (``ntk``, ``yarn``) scaled for ``length``:
+    ``s = length / train_length``; any other model is left as it is."""
+    rotary = rotary_embedding(model)
+    if rotary is not None and rotary.scaling != "none":
+        rotary.set_scaling(rotary.scaling, train_length, length)
