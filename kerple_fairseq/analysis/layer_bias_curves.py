@@ -84,6 +84,7 @@ def layer_inputs(path: str, data: str, split: str) -> List[torch.Tensor]:
     stream = token_stream(task, data, split)[:CURVE_TOKENS]
     length = cfg.task.tokens_per_sample
     captured = [[] for _ in model.decoder.layers]
+
     def capture(n):
         def hook(module, args, kwargs):  # fairseq's layers pass the query by keyword
             captured[n].append(kwargs["query"] if "query" in kwargs else args[0])
