@@ -1,5 +1,5 @@
 """CoPE's positions and logits against plain float64 loops (values and gradients), in half precision
-at long lengths, and with every kind of bias in the model on every decoding path."""
+at long lengths, and its table in the model (its decoding paths: test_decoding_paths_of_newer_methods.py)."""
 
 import math
 
@@ -11,7 +11,6 @@ from kerple_fairseq.errors import KernelConfigError
 
 from helpers import tiny_model
 from test_dape import causal_bias
-from test_decoding_paths_of_newer_methods import beam_search_matches_full_scoring
 from test_layer_biases import log_probs, method_id, tokens_of
 
 
@@ -119,41 +118,6 @@ def test_each_layer_has_a_table_that_starts_at_zero_and_changes_the_model(case):
     without.load_state_dict({k: v for k, v in randomised.state_dict().items() if "score_transform" not in k})
     tokens = tokens_of()
     assert (log_probs(randomised.eval(), tokens) - log_probs(without.eval(), tokens)).abs().max() > 1e-3
-
-
-@pytest.mark.parametrize("case", CASES, ids=method_id)
-def test_incremental_decoding_and_beam_search_equal_full_scoring(case):
-    kernel, flags = case
-    torch.manual_seed(0)
-    model = cope_model(kernel, *flags).eval()
-    tokens = tokens_of()
-    assert (log_probs(model, tokens) - log_probs(model, tokens, incremental=True)).abs().max() < 1e-5
-    beam_search_matches_full_scoring(model)
-
-
-@pytest.mark.parametrize("case", CASES, ids=method_id)
-@pytest.mark.parametrize("window", [0, 7])
-def test_blocks_give_the_result_of_one_block(case, window):
-    kernel, flags = case
-    torch.manual_seed(0)
-    one = cope_model(kernel, *flags, "--attention-block-size", "0", "--attn-window", str(window)).double().eval()
-    blocked = tiny_model(kernel, *flags, "--attention-block-size", "4", "--attn-window", str(window)).double().eval()
-    blocked.load_state_dict(one.state_dict())
-    tokens = tokens_of()
-    torch.testing.assert_close(log_probs(blocked, tokens), log_probs(one, tokens), rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("case", CASES[:4], ids=method_id)
-def test_trimmed_cache_equals_scoring_with_the_window(case):
-    kernel, flags = case
-    torch.manual_seed(0)
-    trimmed = cope_model(kernel, *flags, "--max-cache-window", "6").double().eval()
-    windowed = tiny_model(kernel, *flags, "--attn-window", "6").double().eval()
-    windowed.load_state_dict(trimmed.state_dict())
-    tokens = tokens_of()
-    decoded = log_probs(trimmed, tokens, incremental=True)
-    torch.testing.assert_close(decoded, log_probs(windowed, tokens), rtol=0, atol=1e-6)
-    assert (decoded - log_probs(trimmed, tokens)).abs().max() > 1e-6, "the window changes the result"
 
 
 def test_bad_cope_options_are_clear_errors():

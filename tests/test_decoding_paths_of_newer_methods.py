@@ -1,43 +1,51 @@
-"""FIRE, FoX and DAPE (over no bias, ALiBi, KERPLE-log, a weight kernel, rotary, FIRE and FoX) on every
-decoding path: incremental decoding and beam search equal full scoring, blocks equal one block, a
-trimmed cache equals scoring with the window."""
+"""FIRE, FoX, DAPE (over no bias, ALiBi, KERPLE-log, a weight kernel, rotary, FIRE and FoX) and CoPE
+(alone and over ALiBi, KERPLE-log, rotary, FIRE and a weight kernel) on every decoding path:
+incremental decoding and beam search equal full scoring, blocks equal one block, a trimmed cache
+equals scoring with the window."""
 
 import pytest
 import torch
 
 from helpers import tiny_model
+from test_cope import CASES as COPE_CASES, cope_model
 from test_layer_biases import METHODS, log_probs, method_id, tokens_of
 from test_dape import CASES as DAPE_CASES
 
-LAYER_BIASES_AND_DAPE = METHODS + DAPE_CASES
+NEWER_METHODS = METHODS + DAPE_CASES + COPE_CASES
+WITH_A_WINDOW = (METHODS + DAPE_CASES)[:6] + COPE_CASES[:4]  # for the trimmed cache
 
 
-@pytest.mark.parametrize("case", LAYER_BIASES_AND_DAPE, ids=method_id)
+def model_of(kernel, *flags):
+    """A tiny model of the method; CoPE's with random tables (at zero, CoPE adds nothing)."""
+    return cope_model(kernel, *flags) if "--cope" in flags else tiny_model(kernel, *flags)
+
+
+@pytest.mark.parametrize("case", NEWER_METHODS, ids=method_id)
 def test_incremental_decoding_equals_full_scoring(case):
     kernel, flags = case
     torch.manual_seed(0)
-    model = tiny_model(kernel, *flags).eval()
+    model = model_of(kernel, *flags).eval()
     tokens = tokens_of()
     assert (log_probs(model, tokens) - log_probs(model, tokens, incremental=True)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("case", LAYER_BIASES_AND_DAPE, ids=method_id)
+@pytest.mark.parametrize("case", NEWER_METHODS, ids=method_id)
 @pytest.mark.parametrize("window", [0, 7])
 def test_blocks_give_the_result_of_one_block(case, window):
     kernel, flags = case
     torch.manual_seed(0)
-    one = tiny_model(kernel, *flags, "--attention-block-size", "0", "--attn-window", str(window)).double().eval()
+    one = model_of(kernel, *flags, "--attention-block-size", "0", "--attn-window", str(window)).double().eval()
     blocked = tiny_model(kernel, *flags, "--attention-block-size", "4", "--attn-window", str(window)).double().eval()
     blocked.load_state_dict(one.state_dict())
     tokens = tokens_of()
     torch.testing.assert_close(log_probs(blocked, tokens), log_probs(one, tokens), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", LAYER_BIASES_AND_DAPE[:6], ids=method_id)
+@pytest.mark.parametrize("case", WITH_A_WINDOW, ids=method_id)
 def test_trimmed_cache_equals_scoring_with_the_window(case):
     kernel, flags = case
     torch.manual_seed(0)
-    trimmed = tiny_model(kernel, *flags, "--max-cache-window", "6").double().eval()
+    trimmed = model_of(kernel, *flags, "--max-cache-window", "6").double().eval()
     windowed = tiny_model(kernel, *flags, "--attn-window", "6").double().eval()
     windowed.load_state_dict(trimmed.state_dict())
     tokens = tokens_of()
@@ -64,8 +72,8 @@ def beam_search_matches_full_scoring(model):
         torch.testing.assert_close(hyp["positional_scores"].double(), scores, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", LAYER_BIASES_AND_DAPE, ids=method_id)
+@pytest.mark.parametrize("case", NEWER_METHODS, ids=method_id)
 def test_beam_search_scores_equal_full_scoring(case):
     kernel, flags = case
     torch.manual_seed(0)
-    beam_search_matches_full_scoring(tiny_model(kernel, *flags).eval())
+    beam_search_matches_full_scoring(model_of(kernel, *flags).eval())
