@@ -12,8 +12,7 @@ from typing import Dict, List, Tuple
 import numpy as np
 import torch
 
-from kerple_fairseq.analysis.layer_bias_curves import CURVE_TOKENS
-from kerple_fairseq.errors import UsageError
+from kerple_fairseq.analysis.layer_bias_curves import CURVE_TOKENS, run_in_segments
 from kerple_fairseq.evaluation.loading import load_language_model, token_stream
 
 
@@ -73,7 +72,7 @@ def mean_terms_by_distance(path: str, data: str, split: str, max_distance: int) 
     stream = token_stream(task, data, split)[:max(CURVE_TOKENS, 2 * length)]
     layers = model.decoder.layers
     heads = layers[0].self_attn.num_heads
-    sums = torch.zeros(len(layers), heads, length + 1, dtype=torch.float64)  # the last: future keys
+    sums = torch.zeros(len(layers), heads, length + 1, dtype=torch.float64)  # the last bin: hidden keys
     pairs = torch.zeros(len(layers), length + 1, dtype=torch.float64)
 
     def accumulate(n):
@@ -82,22 +81,14 @@ def mean_terms_by_distance(path: str, data: str, split: str, max_distance: int) 
             num_queries, num_keys = scores.shape[-2:]
             # a block's keys end with its last query: query t and key s are (S - T) + t - s apart
             distance = (num_keys - num_queries) + torch.arange(num_queries)[:, None] - torch.arange(num_keys)[None, :]
-            visible = torch.isfinite(bias).reshape(-1, num_queries, num_keys)[0]  # alike in every head
-            bins = distance.masked_fill(~visible, length).flatten()
-            term = (logits - scores - bias.masked_fill(~torch.isfinite(bias), 0.0)).double()
-            term = term.masked_fill(~torch.isfinite(bias), 0.0).sum(dim=0).flatten(1)  # [heads, T S]
-            sums[n].index_add_(1, bins, term)
-            pairs[n].index_add_(0, bins, torch.ones_like(bins, dtype=torch.float64) * scores.size(0))
+            hidden = ~torch.isfinite(bias)
+            hidden_cells = hidden.reshape(-1, num_queries, num_keys)[0]  # alike in every head
+            bins = distance.masked_fill(hidden_cells, length).flatten()
+            term = (logits - scores - bias).double().masked_fill(hidden, 0.0)  # NaN and -inf at hidden keys
+            sums[n].index_add_(1, bins, term.sum(dim=0).flatten(1))  # [heads, T S]
+            pairs[n].index_add_(0, bins, torch.full(bins.shape, float(scores.size(0)), dtype=torch.float64))
         return hook
 
     hooks = [layer.self_attn.score_transform.register_forward_hook(accumulate(n)) for n, layer in enumerate(layers)]
-    try:
-        with torch.no_grad():
-            for start in range(0, len(stream) - length + 1, length):
-                model(stream[start:start + length][None])
-    finally:
-        for hook in hooks:
-            hook.remove()
-    if not pairs.any():
-        raise UsageError(f"the {split} split of {data} has fewer than {length} tokens")
+    run_in_segments(model, stream, length, hooks, f"the {split} split of {data}")
     return (sums / pairs.clamp(min=1)[:, None, :])[:, :, :length].numpy()

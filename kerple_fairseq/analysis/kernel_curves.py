@@ -17,7 +17,7 @@ from kerple_fairseq.evaluation.loading import load_checkpoint_state
 from kerple_fairseq.kernels import BiasKernel, build_kernel
 from kerple_fairseq.attention.distance_bias import DistanceBias
 from kerple_fairseq.analysis.cope_curves import CheckpointContextualPositions
-from kerple_fairseq.analysis.layer_bias_curves import load_layer_biases
+from kerple_fairseq.analysis.layer_bias_curves import input_dependent, load_layer_biases
 from kerple_fairseq.layer_biases import LAYER_BIASES
 
 KERNEL_PREFIX = "decoder.attention_bias.kernel."
@@ -85,8 +85,7 @@ def load_kernel(path: str, label: str, data: Optional[str] = None, split: str = 
     if not getattr(model_cfg, "cope", False):
         return under
     if data is None:
-        raise UsageError(f"the CoPE term of {path} depends on the input: give --data DIR (the data-bin it was "
-                         "trained with) for its mean curves")
+        raise input_dependent("the CoPE term", path)
     return CheckpointContextualPositions(label, under, path, data, split, int(model_cfg.decoder_layers),
                                          int(model_cfg.decoder_attention_heads))
 

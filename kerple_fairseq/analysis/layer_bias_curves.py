@@ -69,8 +69,7 @@ def load_layer_biases(path: str, label: str, state: dict, model_cfg, train_lengt
     inputs = None
     if biases[0].curves_need_inputs:
         if data is None:
-            raise UsageError(f"the {name} bias of {path} depends on the input: give --data DIR (the data-bin it was "
-                             "trained with) for its mean curves")
+            raise input_dependent(f"the {name} bias", path)
         inputs = layer_inputs(path, data, split)
     return CheckpointLayerBiases(label, name, biases, inputs, int(getattr(model_cfg, "attn_window", 0) or 0),
                                  layers, train_length)
@@ -92,13 +91,26 @@ def layer_inputs(path: str, data: str, split: str) -> List[torch.Tensor]:
 
     hooks = [layer.self_attn.register_forward_pre_hook(capture(n), with_kwargs=True)
              for n, layer in enumerate(model.decoder.layers)]
+    run_in_segments(model, stream, length, hooks, f"the {split} split of {data}")
+    return [torch.cat(pieces) for pieces in captured]
+
+
+def run_in_segments(model, stream: torch.Tensor, length: int, hooks, source: str) -> None:
+    """Run ``model`` without gradients over each whole segment of ``length`` tokens of ``stream``
+    (read from ``source``), then remove the ``hooks`` that watch it; a one-line error, and nothing
+    run, where there is no whole segment."""
     try:
+        if len(stream) < length:
+            raise UsageError(f"{source} has fewer than {length} tokens")
         with torch.no_grad():
             for start in range(0, len(stream) - length + 1, length):
                 model(stream[start:start + length][None])
     finally:
         for hook in hooks:
             hook.remove()
-    if not captured[0]:
-        raise UsageError(f"the {split} split of {data} has fewer than {length} tokens")
-    return [torch.cat(pieces) for pieces in captured]
+
+
+def input_dependent(what: str, path: str) -> UsageError:
+    """The error for the curves of ``what`` (of checkpoint ``path``), which depends on the input, without data."""
+    return UsageError(f"{what} of {path} depends on the input: give --data DIR (the data-bin it was trained "
+                      "with) for its mean curves")
