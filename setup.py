@@ -15,7 +15,9 @@ setup(
         'fairseq-fixed==0.12.3.1; python_version >= "3.11"',
         "torch",
         "sacremoses",
-        "numpy",
+        # fairseq 0.12 calls np.compat.long when it batches by sentence (--sample-break-mode eos,
+        # complete, complete_doc) and in generation; NumPy 2.3 removed np.compat
+        "numpy<2.3",
         "tensorboard",
     ],
     extras_require={"test": ["pytest"], "plots": ["matplotlib"]},

@@ -16,6 +16,7 @@ with logging_left_to_the_process():
 
 from kerple_fairseq.errors import KernelConfigError, install_one_line_errors  # noqa: E402
 from kerple_fairseq import kernels, models  # noqa: F401,E402  (registration)
+from kerple_fairseq.evaluation.checkpoint_file import allow_checkpoint_globals  # noqa: E402
 
 
 def _register_fairseq_user_dir_alias() -> None:
@@ -32,5 +33,6 @@ def _register_fairseq_user_dir_alias() -> None:
 
 _register_fairseq_user_dir_alias()
 install_one_line_errors()
+allow_checkpoint_globals()  # fairseq's own weights-only loads read older checkpoints' `args` too
 
 __all__ = ["KernelConfigError"]

@@ -1,7 +1,10 @@
 """The plugin's user-facing errors, reported as one line on the command line."""
 
 import argparse
+import re
 import sys
+
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class KernelConfigError(ValueError):
@@ -17,6 +20,12 @@ class UsageError(Exception):
     """A problem with a command's input (paths, data, lengths); its command prints it as one line."""
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, without terminal colour codes (its type if it has none)."""
+    lines = ANSI_ESCAPE.sub("", str(error)).strip().splitlines()
+    return lines[0].strip() if lines else type(error).__name__
+
+
 def _one_line_excepthook(previous):
     def hook(exc_type, exc, tb):
         if issubclass(exc_type, KernelConfigError):
@@ -28,8 +37,32 @@ def _one_line_excepthook(previous):
     return hook
 
 
+def _option_value(argv, *names: str):
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
+def _task_hint(message: str, argv) -> str:
+    """A plugin architecture's language-model options refused because no --task was given: say so."""
+    if "unrecognized arguments" not in message or _option_value(argv, "--task") is not None:
+        return ""
+    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
+    from kerple_fairseq.models.transformer_lm_kerple import MODEL_NAME, language_modeling_task_missing
+
+    arch = _option_value(argv, "--arch", "-a")
+    if ARCH_MODEL_NAME_REGISTRY.get(arch) != MODEL_NAME:
+        return ""
+    return f"; {language_modeling_task_missing(arch, 'translation')}"
+
+
 def _one_line_usage_error(parser: argparse.ArgumentParser, message: str) -> None:
-    parser.exit(2, f"{parser.prog}: error: {message} (options: {parser.prog} --help)\n")
+    hint = _task_hint(message, sys.argv[1:])
+    parser.exit(2, f"{parser.prog}: error: {message}{hint} (options: {parser.prog} --help)\n")
 
 
 def install_one_line_errors() -> None:

@@ -8,6 +8,7 @@ only needed for other plugins.
 """
 
 import argparse
+import ast
 import csv
 import json
 import math
@@ -21,7 +22,7 @@ from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
 from kerple_fairseq.attention.rotary import ROTARY_SCALINGS
-from kerple_fairseq.errors import UsageError
+from kerple_fairseq.errors import UsageError, first_line
 from kerple_fairseq.evaluation import spans as S
 from kerple_fairseq.evaluation.loading import (check_checkpoint, check_data_bin, length_limit, load_language_model,
                                                rotary_embedding, scale_rotary_for_length, token_stream)
@@ -104,9 +105,11 @@ def load_model(cfg, attn_window=None):
     check_data_bin(cfg.task.data)
     check_checkpoint(cfg.common_eval.path)
     try:
-        overrides = eval(cfg.common_eval.model_overrides)
-    except Exception as e:
-        raise UsageError(f"--model-overrides must be a Python dict literal: {e}") from e
+        overrides = ast.literal_eval(cfg.common_eval.model_overrides)
+        if not isinstance(overrides, dict):
+            raise ValueError(f"got {type(overrides).__name__}")
+    except (ValueError, SyntaxError) as e:
+        raise UsageError(f"--model-overrides must be a Python dict literal: {first_line(e)}") from e
     model, task, saved = load_language_model(cfg.common_eval.path, cfg.task.data, overrides,
                                              tasks.setup_task(cfg.task), attn_window)
     return model, task, saved.task.tokens_per_sample

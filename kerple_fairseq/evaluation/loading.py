@@ -1,7 +1,6 @@
 """Loading a checkpoint and a split for evaluation and analysis, with one-line errors."""
 
 import os
-import re
 from typing import Dict, Optional
 
 import torch
@@ -9,35 +8,13 @@ from fairseq import checkpoint_utils, utils
 from fairseq.data import Dictionary, data_utils
 from fairseq.modules import LearnedPositionalEmbedding
 
-from kerple_fairseq.errors import KernelConfigError, UsageError
-
-
-ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of ``error``'s message, without terminal colour codes (its type if it has none)."""
-    lines = ANSI_ESCAPE.sub("", str(error)).strip().splitlines()
-    return lines[0].strip() if lines else type(error).__name__
+from kerple_fairseq.errors import KernelConfigError, UsageError, first_line
+from kerple_fairseq.evaluation.checkpoint_file import as_fairseq_state, read_checkpoint
 
 
 def _unreadable(path: str, error: BaseException) -> UsageError:
     return UsageError(f"cannot read checkpoint {path} ({type(error).__name__}: {first_line(error)}); "
                       "give a checkpoint_*.pt file written by fairseq-train")
-
-
-def _diagnose(path: str, error: BaseException) -> UsageError:
-    """Why fairseq could not read ``path``: not a fairseq checkpoint if PyTorch reads it, else unreadable."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as unreadable:  # noqa: BLE001
-        return UsageError(f"cannot read checkpoint {path}: not a PyTorch file, or a damaged or truncated one "
-                          f"({first_line(unreadable)}); give a checkpoint_*.pt file written by fairseq-train")
-    try:
-        check_checkpoint_state(path, state)
-    except UsageError as not_fairseq:
-        return not_fairseq
-    return _unreadable(path, error)
 
 
 def check_data_bin(data: str) -> None:
@@ -106,15 +83,16 @@ def load_language_model(path: str, data: str, overrides: Optional[Dict] = None, 
 
 
 def load_checkpoint_state(path: str, arg_overrides: Optional[Dict] = None) -> Dict:
-    """The checkpoint's dictionary (``cfg`` with ``arg_overrides`` applied, ``model`` state), without
-    building the model or a task; one-line errors for anything that is not a fairseq checkpoint."""
+    """The checkpoint's dictionary (``cfg`` with ``arg_overrides`` applied, ``model`` state), read as data
+    (:func:`~kerple_fairseq.evaluation.checkpoint_file.read_checkpoint`), without building the model or a
+    task; one-line errors for anything that is not a fairseq checkpoint."""
     check_checkpoint(path)
-    try:
-        state = checkpoint_utils.load_checkpoint_to_cpu(path, arg_overrides)
-    except Exception as e:  # noqa: BLE001  (whatever a foreign or damaged file makes torch or fairseq raise)
-        raise _diagnose(path, e) from e
+    state = read_checkpoint(path)
     check_checkpoint_state(path, state)
-    return state
+    try:
+        return as_fairseq_state(state, arg_overrides)
+    except Exception as e:  # noqa: BLE001  (whatever a configuration fairseq cannot upgrade makes it raise)
+        raise _unreadable(path, e) from e
 
 
 def token_stream(task, data: str, split: str, dataset_impl=None) -> torch.Tensor:

@@ -19,6 +19,20 @@ from kerple_fairseq.models.decoder import KernelBiasedDecoder, replaced
 MODEL_NAME = "kerple_lm"
 
 
+def language_modeling_task_missing(arch: str, task: str) -> str:
+    """What to say when the plugin's architecture ``arch`` is given without a language-modelling task."""
+    return (f"--arch {arch} is a language model, but the task is {task} (fairseq's default when --task is not "
+            "given): add --task language_modeling")
+
+
+def check_task(args) -> None:
+    """One line for a plugin architecture under a task without a language model's options, such as
+    fairseq-train's default, translation (fairseq would fail later, deep inside its configuration)."""
+    task = safe_getattr(args, "task", None)
+    if task is not None and not hasattr(args, "tokens_per_sample"):
+        raise KernelConfigError(language_modeling_task_missing(args.arch, task))
+
+
 def check_positions(args) -> None:
     """One source of position: a distance-encoding kernel, or token positions, or rotary."""
     token_positions = not args.no_token_positional_embeddings
@@ -77,10 +91,12 @@ def register_architectures(name: str, default_kernel: str, encoding: str, **posi
     :func:`_plugin_defaults`); returns the first's architecture function."""
 
     def base(args):
+        check_task(args)
         _plugin_defaults(args, default_kernel, **positions)
         base_lm_architecture(args)
 
     def wiki103(args):
+        check_task(args)
         _plugin_defaults(args, default_kernel, **positions)
         transformer_lm_baevski_wiki103(args)
 

@@ -1,0 +1,87 @@
+"""Reading a checkpoint file as data, never as code.
+
+A fairseq checkpoint is a pickle; unpickling an arbitrary one can call any Python function it names
+(``os.system`` among them). Every checkpoint the plugin reads goes through :func:`read_checkpoint`:
+PyTorch's weights-only unpickler, asked for explicitly (so no ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+in the environment turns it off), which rebuilds tensors and plain Python values and nothing else,
+plus :data:`CHECKPOINT_GLOBALS`, the few harmless types that older checkpoints hold: the
+``argparse.Namespace`` of fairseq's ``args`` (ALiBi's fork, fairseq before Hydra) and NumPy scalars in
+their logged metrics. A file that names anything else is refused before any of it is built.
+"""
+
+import argparse
+import os
+import pickle
+import re
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+from fairseq import checkpoint_utils
+from fairseq.dataclass.utils import overwrite_args_by_name
+from omegaconf import OmegaConf
+
+from kerple_fairseq.errors import UsageError, first_line
+
+try:
+    from numpy._core.multiarray import scalar as _numpy_scalar  # NumPy 2
+except ImportError:
+    from numpy.core.multiarray import scalar as _numpy_scalar  # NumPy 1
+# the harmless types besides tensors and plain values, with the names older NumPy pickled them under
+CHECKPOINT_GLOBALS = [
+    argparse.Namespace,  # fairseq's `args` before its Hydra configuration (ALiBi's fork: fairseq 0.10)
+    np.dtype,
+    *{type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                                  np.uint32, np.uint64, np.float16, np.float32, np.float64)},  # its classes
+    # a NumPy scalar (its dtype and its bytes), under the names NumPy 1 and 2 pickle it with
+    (_numpy_scalar, "numpy.core.multiarray.scalar"),
+    (_numpy_scalar, "numpy._core.multiarray.scalar"),
+]
+# fairseq-train and the evaluators started by the plugin's scripts read checkpoints weights-only even
+# where fairseq's own torch.load call leaves the choice to PyTorch's default or to the environment
+DATA_ONLY_ENVIRONMENT = {"TORCH_FORCE_WEIGHTS_ONLY_LOAD": "1"}
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)|got <class '([\w.]+)'>")
+_SEE_DOCS = "docs/fairseq-tools.md, 'Checkpoints are read as data'"
+
+
+def allow_checkpoint_globals() -> None:
+    """Let every weights-only load in this process (fairseq's own, in fairseq-eval-lm, fairseq-train's
+    --restore-file, the hub interface) rebuild :data:`CHECKPOINT_GLOBALS` too."""
+    torch.serialization.add_safe_globals(CHECKPOINT_GLOBALS)
+
+
+def data_only_environment() -> Dict[str, str]:
+    """This process's environment with every ``torch.load`` forced to the weights-only unpickler, for
+    the fairseq commands the plugin's scripts start."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"}
+    return {**env, **DATA_ONLY_ENVIRONMENT}
+
+
+def read_checkpoint(path: str):
+    """What ``path`` holds, rebuilt from tensors, plain values and :data:`CHECKPOINT_GLOBALS` only;
+    a one-line :class:`UsageError` for a file that needs anything else or is not a PyTorch file."""
+    try:
+        with torch.serialization.safe_globals(CHECKPOINT_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001  (whatever a foreign or damaged file makes torch raise)
+        named = _REFUSED_GLOBAL.search(str(error)) if isinstance(error, pickle.UnpicklingError) else None
+        if named:
+            raise UsageError(
+                f"refused to read checkpoint {path}: it asks for the Python object {named.group(1) or named.group(2)}, "
+                "which is neither a tensor nor a plain value, and reading it could run code; nothing was run. Give "
+                f"a checkpoint written by fairseq-train, or convert one you trust ({_SEE_DOCS})") from error
+        raise UsageError(f"cannot read checkpoint {path}: not a PyTorch file, or a damaged or truncated one "
+                         f"({first_line(error)}); give a checkpoint_*.pt file written by fairseq-train") from error
+
+
+def as_fairseq_state(state: Dict, arg_overrides: Optional[Dict] = None) -> Dict:
+    """``state`` as fairseq's ``load_checkpoint_to_cpu`` returns a file's: ``arg_overrides`` applied to
+    its ``args`` or ``cfg``, ``cfg`` an OmegaConf config, older layouts upgraded (``args`` to ``cfg``)."""
+    if state.get("args") is not None and arg_overrides is not None:
+        for name, value in arg_overrides.items():
+            setattr(state["args"], name, value)
+    if state.get("cfg") is not None:
+        state["cfg"] = OmegaConf.create(state["cfg"], flags={"allow_objects": True})
+        if arg_overrides is not None:
+            overwrite_args_by_name(state["cfg"], arg_overrides)
+    return checkpoint_utils._upgrade_state_dict(state)
