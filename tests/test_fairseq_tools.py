@@ -1,0 +1,242 @@
+"""fairseq's own tools with the plugin's models, for every position encoding: fairseq-train in every
+``--sample-break-mode``, fairseq-hydra-train from ``docs/hydra``, fairseq-eval-lm, fairseq-generate and
+fairseq-interactive sampling, and the hub interface (``from_pretrained``, ``score``, ``sample``). Each
+is checked against the plugin's own full scoring of the same tokens, not only for running: what the
+generators print as each token's log-probability (computed step by step, with the key/value cache) is
+what one forward pass over the whole text gives, and a batch scores and generates as its sentences
+do one at a time."""
+
+import math
+import re
+
+import pytest
+import torch
+from fairseq.models.transformer_lm import TransformerLanguageModel
+
+from conftest import REPO, TRAIN_LENGTH, fairseq_cli, run, stock_eval_lm, train_in_process
+from kerple_fairseq.evaluation.loading import load_language_model, token_stream
+from kerple_fairseq.evaluation.scorer import WindowScorer
+from kerple_fairseq.evaluation.spans import early_token_cursed
+from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS, position_encoding
+from kerple_fairseq.experiments.wikitext103 import preprocess
+from kerple_fairseq.kernels import kernel_names
+from kerple_fairseq.layer_biases import layer_bias_names
+
+pytestmark = pytest.mark.slow
+
+USER_DIR = str(REPO / "kerple_fairseq")
+
+
+def every_encoding():
+    """fairseq flags by name: the comparison's position encodings, then every other kernel and layer
+    bias on ``transformer_lm_kerple`` (each model once), and learned positions."""
+    flags = {}
+    for name in [*POSITION_ENCODINGS, *sorted(kernel_names() + layer_bias_names())]:
+        model_flags = position_encoding(name).model_flags()
+        if model_flags not in flags.values():
+            flags[name] = model_flags
+    flags["learned_pos"] = ["--arch", "transformer_lm_learned_pos"]
+    return flags
+
+
+ENCODINGS = every_encoding()
+# the stock command-line tools start a process each: the comparison's encodings and learned positions
+TOOL_ENCODINGS = [*POSITION_ENCODINGS, "learned_pos"]
+PROMPTS = ["The game was released in", "In 1998 the", "He was born in the city of"]
+
+
+@pytest.fixture(scope="module")
+def sentence_trained(data_bin, tmp_path_factory):
+    """A checkpoint of every encoding, trained with ``--sample-break-mode eos`` (padded batches of
+    sentences); by name."""
+    out = {}
+    for name, flags in ENCODINGS.items():
+        save_dir = tmp_path_factory.mktemp(f"eos-{name}")
+        losses = train_in_process(data_bin, save_dir, 4, *flags, "--sample-break-mode", "eos")
+        assert len(losses) == 4 and all(math.isfinite(x) for x in losses), (name, losses)
+        out[name] = save_dir / "checkpoint_last.pt"
+    return out
+
+
+@pytest.mark.parametrize("mode", ["complete", "complete_doc"])
+def test_fairseq_train_in_every_sample_break_mode(data_bin, tmp_path, mode):
+    """``none`` is how every other test trains, ``eos`` trains the checkpoints here; these two pack
+    whole sentences (and documents) into padded samples."""
+    for name, flags in ENCODINGS.items():
+        losses = train_in_process(data_bin, tmp_path / name, 2, *flags, "--sample-break-mode", mode)
+        assert len(losses) == 2 and all(math.isfinite(x) for x in losses), (name, mode, losses)
+
+
+def test_fairseq_train_command_with_sentence_samples(data_bin, tmp_path):
+    """The installed fairseq-train, as a user types it, in the mode that NumPy 2 broke in fairseq 0.12."""
+    for mode in ("eos", "complete_doc"):
+        run([fairseq_cli("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "language_modeling",
+             "--arch", "transformer_lm_alibi", "--decoder-layers", "1", "--decoder-embed-dim", "32",
+             "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--tokens-per-sample", "64",
+             "--sample-break-mode", mode, "--max-tokens", "512", "--optimizer", "adam", "--lr", "0.001",
+             "--max-update", "2", "--cpu", "--num-workers", "0", "--disable-validation", "--save-dir", tmp_path / mode])
+        assert (tmp_path / mode / "checkpoint_last.pt").is_file()
+
+
+# ------------------------------------------------------------------------------------ full scoring
+
+def full_log_probs(model, tokens):
+    """Natural-log probabilities of ``tokens`` (ending with the end-of-sentence symbol), each given the
+    ones before it and the end-of-sentence symbol that starts every text, in one forward pass."""
+    eos = model.decoder.dictionary.eos()
+    inputs = torch.cat([tokens.new_tensor([eos]), tokens[:-1]])[None]
+    with torch.no_grad():
+        lprobs = model.get_normalized_probs(model(inputs), log_probs=True)[0]
+    return lprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def hub_model(checkpoint, data_bin):
+    return TransformerLanguageModel.from_pretrained(str(checkpoint.parent), checkpoint.name,
+                                                    data_name_or_path=str(data_bin)).eval()
+
+
+@pytest.mark.parametrize("name", list(ENCODINGS))
+def test_hub_interface_scores_and_samples_as_full_scoring(sentence_trained, data_bin, name):
+    lm = hub_model(sentence_trained[name], data_bin)
+    model = lm.models[0]
+    # score: one forward pass over the text; a batch of unequal sentences scores each as alone
+    alone = [lm.score(p)["positional_scores"] for p in PROMPTS]
+    for prompt, scores in zip(PROMPTS, alone):
+        torch.testing.assert_close(scores, full_log_probs(model, lm.encode(prompt)), rtol=0, atol=1e-5)
+    for scores, single in zip(lm.score(PROMPTS), alone):
+        torch.testing.assert_close(scores["positional_scores"], single, rtol=0, atol=1e-5)
+    # generation: step by step through the cache, every token's score as full scoring gives it
+    for sampling in ({"beam": 1}, {"beam": 1, "sampling": True, "sampling_topk": 5}):
+        torch.manual_seed(0)
+        hypothesis = lm.generate([lm.encode(PROMPTS[0])], max_len_b=24, **sampling)[0][0]
+        assert hypothesis["tokens"].numel() > len(PROMPTS[0].split()) + 1, name
+        torch.testing.assert_close(hypothesis["positional_scores"], full_log_probs(model, hypothesis["tokens"]),
+                                   rtol=0, atol=1e-4)
+    # sample: text that continues the prompt; greedy in a batch of unequal prompts as one at a time
+    greedy = [lm.sample(p, beam=1, max_len_b=16) for p in PROMPTS]
+    assert all(text.startswith(p + " ") for text, p in zip(greedy, PROMPTS)), greedy
+    assert lm.sample(PROMPTS, beam=1, max_len_b=16) == greedy
+    torch.manual_seed(1)
+    sampled = lm.sample(PROMPTS, beam=1, sampling=True, sampling_topk=10, max_len_b=16)
+    assert all(text.startswith(p + " ") for text, p in zip(sampled, PROMPTS)), sampled
+
+
+# ------------------------------------------------------------------------------------ command line
+
+@pytest.fixture(scope="module")
+def prompts_bin(data_bin, tmp_path_factory):
+    """A data-bin whose test split is :data:`PROMPTS`, with ``data_bin``'s dictionary."""
+    raw = tmp_path_factory.mktemp("prompts")
+    for split in ("train", "valid", "test"):
+        (raw / f"wiki.{split}.tokens").write_text("".join(p + "\n" for p in PROMPTS))
+    dest = tmp_path_factory.mktemp("prompts-bin") / "data-bin"
+    run([fairseq_cli("fairseq-preprocess"), "--only-source", "--srcdict", data_bin / "dict.txt", "--destdir", dest,
+         "--testpref", raw / "wiki.test.tokens", "--workers", "1"])
+    return dest
+
+
+def printed_hypotheses(output: str):
+    """``{id: (words, base-2 positional scores)}`` from the H- and P- lines fairseq prints."""
+    words = {int(i): text.split() for i, text in re.findall(r"^H-(\d+)\t\S+\t?(.*)$", output, re.M)}
+    scores = {int(i): [float(x) for x in s.split()] for i, s in re.findall(r"^P-(\d+)\t(.*)$", output, re.M)}
+    assert words and words.keys() == scores.keys(), output[-3000:]
+    return {i: (words[i], scores[i]) for i in words}
+
+
+def assert_printed_as_full_scoring(model, dictionary, output: str, prompts):
+    """Every printed hypothesis continues its prompt, and its printed scores (base 2, 4 decimals) are
+    those of full scoring."""
+    printed = printed_hypotheses(output)
+    assert len(printed) == len(prompts), printed
+    for i, (words, scores) in printed.items():
+        prompt = prompts[i].split()
+        assert words[:len(prompt)] == prompt and len(words) > len(prompt), (prompts[i], words)
+        tokens = dictionary.encode_line(" ".join(words), add_if_not_exist=False).long()
+        expected = full_log_probs(model, tokens) / math.log(2)
+        torch.testing.assert_close(torch.tensor(scores), expected.float(), rtol=0, atol=2e-4)
+
+
+def sampling_flags(*extra):
+    return ["--user-dir", USER_DIR, "--task", "language_modeling", "--cpu", "--num-workers", "0", "--beam", "1",
+            "--sampling", "--sampling-topk", "10", "--seed", "1", "--max-len-b", "16", *extra]
+
+
+@pytest.mark.parametrize("name", TOOL_ENCODINGS)
+def test_eval_lm_generate_and_interactive(sentence_trained, data_bin, prompts_bin, tmp_path, name):
+    checkpoint = sentence_trained[name]
+    model, task, _ = load_language_model(str(checkpoint), str(data_bin))
+    model.eval()
+    # fairseq-eval-lm: the plugin's own scorer over the same blocks
+    tokens, loss, _ = stock_eval_lm(data_bin, checkpoint, TRAIN_LENGTH, "--user-dir", USER_DIR)
+    stream = token_stream(task, str(data_bin), "valid")
+    inputs = torch.cat([stream.new_tensor([task.source_dictionary.eos()]), stream[:-1]])
+    scores = WindowScorer(model, inputs, stream, 4096, "cpu", progress=False).score(
+        early_token_cursed(len(stream), TRAIN_LENGTH))
+    total = sum(float(s.astype("float64").sum()) for s in scores)
+    assert tokens == len(stream) and loss == pytest.approx(-total / len(stream) / math.log(2), abs=2e-4)
+    # fairseq-generate: sampled continuations of the test split's first four words
+    generated = run([fairseq_cli("fairseq-generate"), prompts_bin, "--path", checkpoint, "--gen-subset", "test",
+                     "--prefix-size", "3", "--sample-break-mode", "eos", "--max-tokens", "512",
+                     *sampling_flags()]).stdout
+    prefixes = {i: " ".join(p.split()[:3]) for i, p in enumerate(PROMPTS)}
+    assert_printed_as_full_scoring(model, task.source_dictionary, generated, prefixes)
+    # fairseq-interactive: prompts read from a file, three to a batch
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(p + "\n" for p in PROMPTS))
+    interactive = run([fairseq_cli("fairseq-interactive"), data_bin, "--path", checkpoint, "--input", prompts,
+                       "--buffer-size", "3", "--batch-size", "3", *sampling_flags()]).stdout
+    assert_printed_as_full_scoring(model, task.source_dictionary, interactive, dict(enumerate(PROMPTS)))
+
+
+# ------------------------------------------------------------------------------------ hydra
+
+HYDRA_MODEL = ["model.decoder_layers=2", "model.decoder_embed_dim=32", "model.decoder_ffn_embed_dim=64",
+               "model.decoder_attention_heads=4"]
+HYDRA_RUN = ["task.tokens_per_sample=64", "dataset.max_tokens=512", "optimization.max_update=3", "common.cpu=true",
+             "common.seed=5", "dataset.num_workers=0", "dataset.disable_validation=true"]
+# each encoding's --arch and flags as the YAML's model keys
+HYDRA_ENCODINGS = {
+    "alibi": ["model.bias_kernel=alibi"],
+    "fox": ["model.bias_kernel=fox"],
+    "dape_kerple_log": ["model.dape=mlp"],
+    "rotary": ["model.bias_kernel=none", "model.rotary_embeddings=true"],
+    "xpos": ["model.bias_kernel=none", "model.rotary_embeddings=true", "model.rotary_xpos=true"],
+    "cope": ["model.bias_kernel=none", "model.cope=true"],
+    "sinusoidal": ["model.bias_kernel=none", "model.token_positional_embeddings=true"],
+}
+
+
+@pytest.mark.parametrize("name", list(HYDRA_ENCODINGS))
+def test_hydra_config_trains_the_model_fairseq_train_does(data_bin, tmp_path, name):
+    """``fairseq-hydra-train`` with ``docs/hydra/kerple_lm.yaml`` gives, update for update, the model that
+    fairseq-train gives with the same options (the YAML's, written as flags)."""
+    run([fairseq_cli("fairseq-hydra-train"), "--config-dir", REPO / "docs" / "hydra", "--config-name", "kerple_lm",
+         f"task.data={data_bin}", f"common.user_dir={USER_DIR}", *HYDRA_ENCODINGS[name],
+         *HYDRA_MODEL, *HYDRA_RUN, f"checkpoint.save_dir={tmp_path / 'hydra'}",
+         f"hydra.run.dir={tmp_path / 'hydra-outputs'}"], cwd=tmp_path)
+    encoding = position_encoding(name)
+    run([fairseq_cli("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "language_modeling",
+         *encoding.model_flags(), "--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim",
+         "64", "--decoder-attention-heads", "4", "--dropout", "0.1", "--tokens-per-sample", "64",
+         "--sample-break-mode", "none", "--max-tokens", "512", "--criterion", "cross_entropy", "--optimizer", "adam",
+         "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01", "--lr-scheduler", "inverse_sqrt",
+         "--warmup-updates", "4000", "--lr", "0.0005", "--clip-norm", "1.0", "--max-update", "3", "--cpu",
+         "--seed", "5", "--num-workers", "0", "--disable-validation", "--no-epoch-checkpoints",
+         "--save-dir", tmp_path / "flags"])
+    hydra = torch.load(tmp_path / "hydra" / "checkpoint_last.pt", weights_only=True)["model"]
+    flags = torch.load(tmp_path / "flags" / "checkpoint_last.pt", weights_only=True)["model"]
+    assert hydra.keys() == flags.keys()
+    for key in flags:
+        assert torch.equal(hydra[key], flags[key]), key
+
+
+# ------------------------------------------------------------------------------------ --task
+
+@pytest.mark.parametrize("extra", [[], ["--tokens-per-sample", "64"]])
+def test_plugin_architecture_without_task_is_one_line(data_bin, tmp_path, extra):
+    proc = run([fairseq_cli("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--arch", "transformer_lm_kerple",
+                "--cpu", "--max-update", "1", "--save-dir", tmp_path / "run", *extra], check=False)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(errors) == 1 and "add --task language_modeling" in errors[0], proc.stderr[-3000:]
+    assert not (tmp_path / "run").exists()
