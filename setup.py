@@ -16,8 +16,8 @@ setup(
         "torch",
         "sacremoses",
         # fairseq 0.12 calls np.compat.long when it batches by sentence (--sample-break-mode eos,
-        # complete, complete_doc) and in generation; NumPy 2.3 removed np.compat
-        "numpy<2.3",
+        # complete, complete_doc) and in generation; NumPy 2.0 removed np.compat from its namespace
+        "numpy<2",
         "tensorboard",
     ],
     extras_require={"test": ["pytest"], "plots": ["matplotlib"]},

@@ -3,6 +3,7 @@
 import argparse
 import re
 import sys
+from typing import Optional
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -26,10 +27,26 @@ def first_line(error: BaseException) -> str:
     return lines[0].strip() if lines else type(error).__name__
 
 
+def _in_chain(error: Optional[BaseException], found):
+    """The first truthy ``found(e)`` for ``error`` and the exceptions it was raised from or during."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if found(error):
+            return found(error)
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _one_line_excepthook(previous):
     def hook(exc_type, exc, tb):
+        from kerple_fairseq.evaluation.checkpoint_file import refusal, refused_object
+
         if issubclass(exc_type, KernelConfigError):
             print(f"kerple_fairseq: error: {exc}", file=sys.stderr)
+        elif _in_chain(exc, refused_object):  # fairseq's own weights-only load (--restore-file, checkpoint_last.pt)
+            print(f"kerple_fairseq: error: refused to read a checkpoint: {refusal(_in_chain(exc, refused_object))}",
+                  file=sys.stderr)
         else:
             previous(exc_type, exc, tb)
 
@@ -66,7 +83,8 @@ def _one_line_usage_error(parser: argparse.ArgumentParser, message: str) -> None
 
 
 def install_one_line_errors() -> None:
-    """Print uncaught :class:`KernelConfigError` as one line, and command-line errors of every parser in
+    """Print uncaught :class:`KernelConfigError`, and PyTorch's refusal of a checkpoint that asks for
+    code, as one line, and command-line errors of every parser in
     the process (fairseq-train's with ``--user-dir kerple_fairseq``, kerple-eval-lm's, kerple-analyze's)
     as one line, without the usage listing that ``--help`` gives; other errors are untouched."""
     if not getattr(sys.excepthook, "kerple_fairseq", False):

@@ -14,8 +14,8 @@ else
 fi
 "$py" -m pip install -q --upgrade pip setuptools wheel
 # Pinned: an unpinned torch resolves to a multi-GB CUDA build.
-# numpy below 2.3, which removed the np.compat that fairseq 0.12 calls (setup.py says where).
-"$py" -m pip install -q "torch==2.13.0" "numpy<2.3" cython
+# numpy below 2, which removed the np.compat that fairseq 0.12 calls (setup.py says where).
+"$py" -m pip install -q "torch==2.13.0" "numpy<2" cython
 # fairseq's build imports torch, so build it against the torch above (no isolated build env,
 # which would fetch another torch). setup.py picks fairseq-fixed on Python 3.11+.
 "$py" -m pip install -q --no-build-isolation ".[test,plots]"

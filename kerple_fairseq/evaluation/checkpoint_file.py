@@ -57,6 +57,18 @@ def data_only_environment() -> Dict[str, str]:
     return {**env, **DATA_ONLY_ENVIRONMENT}
 
 
+def refused_object(error: BaseException) -> Optional[str]:
+    """The Python object a weights-only load refused to build, if ``error`` is such a refusal."""
+    named = _REFUSED_GLOBAL.search(str(error)) if isinstance(error, pickle.UnpicklingError) else None
+    return (named.group(1) or named.group(2)) if named else None
+
+
+def refusal(named: str) -> str:
+    return (f"it asks for the Python object {named}, which is neither a tensor nor a plain value, and reading it "
+            f"could run code; nothing was run. Give a checkpoint written by fairseq-train, or convert one you "
+            f"trust ({_SEE_DOCS})")
+
+
 def read_checkpoint(path: str):
     """What ``path`` holds, rebuilt from tensors, plain values and :data:`CHECKPOINT_GLOBALS` only;
     a one-line :class:`UsageError` for a file that needs anything else or is not a PyTorch file."""
@@ -64,12 +76,9 @@ def read_checkpoint(path: str):
         with torch.serialization.safe_globals(CHECKPOINT_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001  (whatever a foreign or damaged file makes torch raise)
-        named = _REFUSED_GLOBAL.search(str(error)) if isinstance(error, pickle.UnpicklingError) else None
+        named = refused_object(error)
         if named:
-            raise UsageError(
-                f"refused to read checkpoint {path}: it asks for the Python object {named.group(1) or named.group(2)}, "
-                "which is neither a tensor nor a plain value, and reading it could run code; nothing was run. Give "
-                f"a checkpoint written by fairseq-train, or convert one you trust ({_SEE_DOCS})") from error
+            raise UsageError(f"refused to read checkpoint {path}: {refusal(named)}") from error
         raise UsageError(f"cannot read checkpoint {path}: not a PyTorch file, or a damaged or truncated one "
                          f"({first_line(error)}); give a checkpoint_*.pt file written by fairseq-train") from error
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import List, NamedTuple, Optional
 
+from kerple_fairseq.evaluation.checkpoint_file import data_only_environment
 from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.experiments.paths import BIN, USER_DIR
 from kerple_fairseq.experiments.position_encodings import position_encoding
@@ -136,8 +137,8 @@ def gpu_command(cmd: List[str], gpus: int, nodes: int, node_rank: int, master: O
 
 def run_all(commands: List[List[str]]) -> int:
     """Start every command; if one fails, stop the others. Returns the first non-zero status."""
-    procs = [subprocess.Popen(c, stdout=None if i == 0 else subprocess.DEVNULL, stderr=None if i == 0 else subprocess.PIPE)
-             for i, c in enumerate(commands)]
+    procs = [subprocess.Popen(c, stdout=None if i == 0 else subprocess.DEVNULL, stderr=None if i == 0 else subprocess.PIPE,
+                              env=data_only_environment()) for i, c in enumerate(commands)]
     status = 0
     for i, p in enumerate(procs):
         code = p.wait()

@@ -9,6 +9,7 @@ from functools import partial
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+from kerple_fairseq.evaluation.checkpoint_file import data_only_environment
 from kerple_fairseq.experiments.comparison import CommandFailed, Comparison, Model, markdown_table, protocol_rows
 from kerple_fairseq.experiments.paths import SCRIPTS
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS
@@ -27,7 +28,7 @@ def announced_run(prog: str, cmd: list) -> None:
     """Say which script starts (as ``prog``), run it with its output on the terminal; raise
     :class:`CommandFailed` naming the script if it fails."""
     print(f"{prog}: {' '.join(map(str, cmd[1:3]))} ...", file=sys.stderr, flush=True)
-    code = subprocess.call([str(c) for c in cmd])
+    code = subprocess.call([str(c) for c in cmd], env=data_only_environment())
     if code != 0:
         raise CommandFailed(Path(str(cmd[1])).name, code)
 

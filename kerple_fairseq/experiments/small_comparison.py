@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+from kerple_fairseq.evaluation.checkpoint_file import data_only_environment
 from kerple_fairseq.experiments.comparison import (
     PROTOCOLS, CommandFailed, Comparison, Model, markdown_table, protocol_rows)
 from kerple_fairseq.experiments.language_models import model_size_flags
@@ -59,7 +60,8 @@ def training_progress(line: str) -> bool:
 def run(cmd: list, log: Optional[Path] = None, show: Callable[[str], bool] = training_progress) -> None:
     """Run a command; the lines ``show`` picks go to the terminal, the whole output to ``log`` if given.
     On failure its last 30 lines go to stderr and :class:`CommandFailed` is raised."""
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=data_only_environment())
     lines = []
     for line in proc.stdout:
         lines.append(line)
