@@ -23,7 +23,7 @@ def real_checkpoint(trained):
 def other_fairseq_model(trained, path):
     """Stock fairseq ``transformer_lm``'s checkpoint relabelled as a translation model (fairseq's
     ``transformer`` architecture and ``translation`` task)."""
-    state = torch.load(trained["sinusoidal"][0] / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    state = torch.load(trained["sinusoidal"][0] / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     state["cfg"]["model"]["_name"] = "transformer"
     state["cfg"]["task"]["_name"] = "translation"
     torch.save(state, path)
@@ -43,7 +43,7 @@ KINDS = {  # each writes its kind of file at path, from the tiny trained models
     "zip of something else": lambda trained, path: zip_of_something_else(path),
     "state dict without a config": lambda trained, path: torch.save({"weight": torch.zeros(3)}, path),
     "model state without a config": lambda trained, path: torch.save(
-        {"model": torch.load(real_checkpoint(trained), map_location="cpu", weights_only=False)["model"]}, path),
+        {"model": torch.load(real_checkpoint(trained), map_location="cpu", weights_only=True)["model"]}, path),
     "another fairseq model": other_fairseq_model,
 }
 MESSAGES = {

@@ -141,6 +141,15 @@ def test_fairseq_train_restoring_a_payload_checkpoint_runs_nothing(payload_check
     assert len(errors) == 1 and "refused to read a checkpoint: it asks for the Python object" in errors[0], errors
 
 
+def test_model_overrides_are_a_literal_never_evaluated(trained, data_bin, tmp_path):
+    marker = tmp_path / "override-ran"
+    proc = run([BIN / "kerple-eval-lm", data_bin, "--path", trained["alibi"][0] / "checkpoint_last.pt", "--cpu",
+                "--model-overrides", f"__import__('os').system('touch {marker}')"], check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert not marker.exists() and proc.returncode == 1, proc.stderr[-3000:]
+    assert len(lines) == 1 and "--model-overrides must be a Python dict literal" in lines[0], lines
+
+
 # ------------------------------------------------------------------------------------ older layout
 
 def legacy_checkpoint(trained, path):

@@ -52,7 +52,7 @@ def test_none_kernel_with_token_positions_is_the_absolute_position_baseline(data
                       "--token-positional-embeddings"))
     import torch
 
-    state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert state["cfg"]["model"]["no_token_positional_embeddings"] is False
 
 

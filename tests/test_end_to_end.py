@@ -25,7 +25,7 @@ def test_training_loss_falls(trained, kernel):
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_checkpoint_holds_one_set_of_valid_kernel_parameters(trained, kernel):
     save_dir, _ = trained[kernel]
-    state = torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    state = torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     kernel_keys = sorted(k for k in state["model"] if "attention_bias" in k)
     assert state["cfg"]["model"]["bias_kernel"] == kernel
     assert state["cfg"]["model"]["no_token_positional_embeddings"] is True
@@ -45,8 +45,8 @@ def test_resume_from_checkpoint_last_reaches_the_same_parameters(trained, data_b
     flags = ["--arch", "transformer_lm_kerple", "--bias-kernel", kernel]
     train(data_bin, tmp_path, UPDATES // 2, *flags)  # fairseq-train processes
     train(data_bin, tmp_path, UPDATES, *flags)  # resumes from checkpoint_last.pt
-    straight = torch.load(straight_dir / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
-    resumed = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
+    straight = torch.load(straight_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
+    resumed = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
     assert straight.keys() == resumed.keys()
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=1e-6, msg=key)

@@ -58,7 +58,7 @@ def test_fp16_updates_train_every_learnable_kernel(data_bin, tmp_path, run, mast
     assert len(losses) == UPDATES and all(math.isfinite(x) for x in losses), losses
     assert len(master_weights) >= UPDATES
     assert all(fp32 == {torch.float32} and fp16 == {torch.float16} for fp32, fp16 in master_weights)
-    state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert state["last_optimizer_state"]["loss_scale"] > 0
     check_checkpoint(tmp_path / "checkpoint_last.pt", RUNS[run][1])
 

@@ -28,3 +28,19 @@ assert not loaded, loaded
 def test_every_fairseq_task_and_criterion_imports_without_loading_torchaudio():
     proc = subprocess.run([sys.executable, "-c", EVERY_TASK_AND_CRITERION], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+SENTENCE_BATCHES = """
+import numpy as np, torch
+from fairseq.data import TokenBlockDataset
+sentences = [torch.tensor([5, 6, 2]), torch.tensor([7, 2]), torch.tensor([8, 9, 10, 2])]
+for mode in ("eos", "complete", "complete_doc"):
+    blocks = TokenBlockDataset(sentences, [3, 2, 4], block_size=8, pad=1, eos=2, break_mode=mode)
+    assert sum(len(blocks[i]) for i in range(len(blocks))) == 9, mode
+"""
+
+
+def test_fairseq_batches_by_sentence_with_the_installed_numpy():
+    """fairseq 0.12 calls np.compat.long in these modes; NumPy 2 has none, and the install pins below it."""
+    proc = subprocess.run([sys.executable, "-c", SENTENCE_BATCHES], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]

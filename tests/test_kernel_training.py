@@ -30,7 +30,7 @@ def test_tiny_training_has_finite_falling_loss_and_valid_checkpoint(data_bin, tm
     losses = train_in_process(data_bin, tmp_path, UPDATES, *arch, *SIZE, *flags)
     assert_finite_falling_loss(losses, UPDATES, run)
 
-    state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=False)
+    state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     cfg = state["cfg"]["model"]
     kernel = build_kernel(cfg["bias_kernel"], cfg["decoder_attention_heads"], argparse.Namespace(**cfg))
     prefix = "decoder.attention_bias.kernel."
@@ -55,7 +55,7 @@ def test_training_in_process_repeats_exactly_and_leaves_logging_as_it_was(data_b
     runs = []
     for attempt in ("first", "second"):
         losses = train_in_process(data_bin, tmp_path / attempt, 3, "--arch", "transformer_lm_kerple", *SIZE)
-        state = torch.load(tmp_path / attempt / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
+        state = torch.load(tmp_path / attempt / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
         runs.append((losses, state))
     (first_losses, first), (second_losses, second) = runs
     assert len(first_losses) == 3 and first_losses == second_losses

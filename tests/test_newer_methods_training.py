@@ -38,7 +38,7 @@ def test_trains_with_falling_loss_and_evaluates_at_8x_the_training_length(data_b
     assert_finite_falling_loss(losses, UPDATES, run)
 
     checkpoint = tmp_path / "checkpoint_last.pt"
-    model = torch.load(checkpoint, map_location="cpu", weights_only=False)["model"]
+    model = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
     if "fire" in flags or "fox" in flags or "fox_bias_only" in flags:
         assert any(".self_attn.layer_bias." in k for k in model)
     if "--dape" in flags:

@@ -159,7 +159,7 @@ def test_checkpoints_saved_before_the_options_give_the_same_log_probabilities(na
     parameterisation read differently moves them by orders of magnitude more. On one machine the
     re-saved model scores bit for bit as the loaded one."""
     model, cfg, task = legacy_model(name)
-    saved = torch.load(LEGACY / f"{name}.log-probs.pt", weights_only=False)
+    saved = torch.load(LEGACY / f"{name}.log-probs.pt", weights_only=True)
     with torch.no_grad():
         log_probs = torch.log_softmax(model(saved["tokens"])[0].float(), -1)
     torch.testing.assert_close(log_probs, saved["log_probs"], rtol=0, atol=1e-5)
@@ -203,7 +203,7 @@ def test_hostile_values_in_a_checkpoint_read_back_in_the_domain(tmp_path, parame
         for name, per_head in values.items():
             per_head = torch.as_tensor(per_head)
             assert (per_head >= kernel.floor).all() and (per_head <= kernel.upper_bounds[name]).all(), (name, per_head)
-    tokens = torch.load(LEGACY / "kerple_power.log-probs.pt", weights_only=False)["tokens"]
+    tokens = torch.load(LEGACY / "kerple_power.log-probs.pt", weights_only=True)["tokens"]
     with torch.no_grad():
         assert torch.isfinite(model(tokens)[0]).all()
 

@@ -53,7 +53,7 @@ def test_baselines_and_seeds(data_bin, tmp_path):
                 "--eval-lengths", "32", "64", "--num-targets", "10", "--max-update", "2"])
     for model, arch in (("sinusoidal", "transformer_lm_sinusoidal"), ("kerple_log", "transformer_lm_kerple")):
         for seed, directory in ((1, f"{model}-32"), (2, f"{model}-32-seed2")):
-            cfg = torch.load(tmp_path / directory / "checkpoint_last.pt", map_location="cpu", weights_only=False)["cfg"]
+            cfg = torch.load(tmp_path / directory / "checkpoint_last.pt", map_location="cpu", weights_only=True)["cfg"]
             assert (cfg["model"]["_name"], cfg["common"]["seed"], cfg["task"]["tokens_per_sample"]) == (arch, seed, 32)
             assert (tmp_path / directory / "per-token.npz").is_file()
     table = (tmp_path / "results.md").read_text()

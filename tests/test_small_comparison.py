@@ -30,7 +30,7 @@ def test_every_model_is_trained_once_per_seed(comparison):
     for name, arch in (("nope", "transformer_lm_kerple"), ("alibi", "transformer_lm_alibi")):
         for seed in (3, 4):
             checkpoint = runs / f"{name}-seed{seed}" / "checkpoint_last.pt"
-            cfg = torch.load(checkpoint, map_location="cpu", weights_only=False)["cfg"]
+            cfg = torch.load(checkpoint, map_location="cpu", weights_only=True)["cfg"]
             assert (cfg["model"]["_name"], cfg["common"]["seed"], cfg["model"]["bias_kernel"]) == (
                 arch, seed, name.replace("nope", "none"))
     table = (runs / "results.md").read_text()

@@ -26,7 +26,7 @@ def train(data_bin, save_dir, *flags, check=True):
 
 
 def parameters(save_dir):
-    return torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
+    return torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)["model"]
 
 
 def assert_same_parameters(a, b, atol):
