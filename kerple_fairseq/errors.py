@@ -42,11 +42,11 @@ def _one_line_excepthook(previous):
     def hook(exc_type, exc, tb):
         from kerple_fairseq.evaluation.checkpoint_file import refusal, refused_object
 
+        refused = _in_chain(exc, refused_object)  # by fairseq's own load (--restore-file, checkpoint_last.pt)
         if issubclass(exc_type, KernelConfigError):
             print(f"kerple_fairseq: error: {exc}", file=sys.stderr)
-        elif _in_chain(exc, refused_object):  # fairseq's own weights-only load (--restore-file, checkpoint_last.pt)
-            print(f"kerple_fairseq: error: refused to read a checkpoint: {refusal(_in_chain(exc, refused_object))}",
-                  file=sys.stderr)
+        elif refused:
+            print(f"kerple_fairseq: error: refused to read a checkpoint: {refusal(refused)}", file=sys.stderr)
         else:
             previous(exc_type, exc, tb)
 

@@ -31,8 +31,8 @@ except ImportError:
 CHECKPOINT_GLOBALS = [
     argparse.Namespace,  # fairseq's `args` before its Hydra configuration (ALiBi's fork: fairseq 0.10)
     np.dtype,
-    *{type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
-                                  np.uint32, np.uint64, np.float16, np.float32, np.float64)},  # its classes
+    *[type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                                  np.uint32, np.uint64, np.float16, np.float32, np.float64)],  # its classes
     # a NumPy scalar (its dtype and its bytes), under the names NumPy 1 and 2 pickle it with
     (_numpy_scalar, "numpy.core.multiarray.scalar"),
     (_numpy_scalar, "numpy._core.multiarray.scalar"),
@@ -64,6 +64,7 @@ def refused_object(error: BaseException) -> Optional[str]:
 
 
 def refusal(named: str) -> str:
+    """Why a file that asks for the Python object ``named`` is not read, and what to do."""
     return (f"it asks for the Python object {named}, which is neither a tensor nor a plain value, and reading it "
             f"could run code; nothing was run. Give a checkpoint written by fairseq-train, or convert one you "
             f"trust ({_SEE_DOCS})")
