@@ -14,10 +14,10 @@ import torch
 from fairseq import options
 
 from conftest import BIN, REPO, TRAIN_FLAGS, run, stock_eval_lm
+from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation.checkpoint_file import data_only_environment, read_checkpoint
 from kerple_fairseq.evaluation.loading import load_language_model
 
-pytestmark = pytest.mark.slow
 
 
 class SystemCall:
@@ -94,6 +94,7 @@ def plugin_commands(data_bin, path, out):
     }
 
 
+@pytest.mark.slow  # starts the commands
 def test_no_plugin_command_runs_a_checkpoints_code(payload_checkpoints, data_bin, tmp_path):
     paths, marker = payload_checkpoints
     for path in paths:
@@ -116,11 +117,15 @@ def test_the_library_refuses_before_building_anything(payload_checkpoints, data_
     paths, marker = payload_checkpoints
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     for path in paths:
-        with pytest.raises(Exception, match="refused to read checkpoint"):
+        with pytest.raises(UsageError) as refused:
             load_language_model(str(path), str(data_bin))
         assert not marker.exists(), path
+        message = str(refused.value)
+        assert "\n" not in message and message.startswith(f"refused to read checkpoint {path}: it asks for the Python "
+                                                          "object "), message
 
 
+@pytest.mark.slow  # starts the commands
 def test_fairseq_train_restoring_a_payload_checkpoint_runs_nothing(payload_checkpoints, data_bin, tmp_path,
                                                                    monkeypatch):
     """fairseq-train reads --restore-file with fairseq's own torch.load, which PyTorch makes weights-only
@@ -141,6 +146,7 @@ def test_fairseq_train_restoring_a_payload_checkpoint_runs_nothing(payload_check
     assert len(errors) == 1 and "refused to read a checkpoint: it asks for the Python object" in errors[0], errors
 
 
+@pytest.mark.slow  # starts the commands
 def test_model_overrides_are_a_literal_never_evaluated(trained, data_bin, tmp_path):
     marker = tmp_path / "override-ran"
     proc = run([BIN / "kerple-eval-lm", data_bin, "--path", trained["alibi"][0] / "checkpoint_last.pt", "--cpu",
@@ -164,9 +170,14 @@ def legacy_checkpoint(trained, path):
     torch.save(state, path)
 
 
-def test_an_args_namespace_checkpoint_loads_and_scores_as_its_original(trained, data_bin, tmp_path):
-    legacy = tmp_path / "legacy.pt"
-    legacy_checkpoint(trained, legacy)
+@pytest.fixture
+def legacy(trained, tmp_path):
+    path = tmp_path / "legacy.pt"
+    legacy_checkpoint(trained, path)
+    return path
+
+
+def test_an_args_namespace_checkpoint_loads_as_its_original(trained, data_bin, legacy):
     assert isinstance(read_checkpoint(str(legacy))["args"], argparse.Namespace)
     original, _, _ = load_language_model(str(trained["alibi"][0] / "checkpoint_last.pt"), str(data_bin))
     model, _, cfg = load_language_model(str(legacy), str(data_bin))
@@ -174,7 +185,11 @@ def test_an_args_namespace_checkpoint_loads_and_scores_as_its_original(trained, 
     tokens = torch.arange(4, 100)[None]
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(tokens)[0], original.eval()(tokens)[0], rtol=0, atol=0)
-    # the plugin's command, and stock fairseq-eval-lm with the plugin loaded, score it as the original
+
+
+@pytest.mark.slow  # starts the commands
+def test_an_args_namespace_checkpoint_scores_as_its_original(trained, data_bin, legacy):
+    """The plugin's command, and stock fairseq-eval-lm with the plugin loaded."""
 
     def evaluations(path):
         kerple = run([BIN / "kerple-eval-lm", data_bin, "--path", path, "--cpu", "--no-progress-bar"])
