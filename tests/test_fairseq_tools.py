@@ -17,8 +17,8 @@ from conftest import REPO, TRAIN_LENGTH, fairseq_cli, run, stock_eval_lm, train_
 from kerple_fairseq.evaluation.loading import load_language_model, token_stream
 from kerple_fairseq.evaluation.scorer import WindowScorer
 from kerple_fairseq.evaluation.spans import early_token_cursed
+from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS, position_encoding
-from kerple_fairseq.experiments.wikitext103 import preprocess
 from kerple_fairseq.kernels import kernel_names
 from kerple_fairseq.layer_biases import layer_bias_names
 
@@ -71,10 +71,10 @@ def test_fairseq_train_command_with_sentence_samples(data_bin, tmp_path):
     """The installed fairseq-train, as a user types it, in the mode that NumPy 2 broke in fairseq 0.12."""
     for mode in ("eos", "complete_doc"):
         run([fairseq_cli("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "language_modeling",
-             "--arch", "transformer_lm_alibi", "--decoder-layers", "1", "--decoder-embed-dim", "32",
-             "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--tokens-per-sample", "64",
-             "--sample-break-mode", mode, "--max-tokens", "512", "--optimizer", "adam", "--lr", "0.001",
-             "--max-update", "2", "--cpu", "--num-workers", "0", "--disable-validation", "--save-dir", tmp_path / mode])
+             "--arch", "transformer_lm_alibi", *model_size_flags(layers=1, width=32, heads=4),
+             "--tokens-per-sample", "64", "--sample-break-mode", mode, "--max-tokens", "512",
+             "--optimizer", "adam", "--lr", "0.001", "--max-update", "2", "--cpu", "--num-workers", "0",
+             "--disable-validation", "--save-dir", tmp_path / mode])
         assert (tmp_path / mode / "checkpoint_last.pt").is_file()
 
 
@@ -218,13 +218,12 @@ def test_hydra_config_trains_the_model_fairseq_train_does(data_bin, tmp_path, na
          f"hydra.run.dir={tmp_path / 'hydra-outputs'}"], cwd=tmp_path)
     encoding = position_encoding(name)
     run([fairseq_cli("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "language_modeling",
-         *encoding.model_flags(), "--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim",
-         "64", "--decoder-attention-heads", "4", "--dropout", "0.1", "--tokens-per-sample", "64",
-         "--sample-break-mode", "none", "--max-tokens", "512", "--criterion", "cross_entropy", "--optimizer", "adam",
-         "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01", "--lr-scheduler", "inverse_sqrt",
-         "--warmup-updates", "4000", "--lr", "0.0005", "--clip-norm", "1.0", "--max-update", "3", "--cpu",
-         "--seed", "5", "--num-workers", "0", "--disable-validation", "--no-epoch-checkpoints",
-         "--save-dir", tmp_path / "flags"])
+         *encoding.model_flags(), *model_size_flags(layers=2, width=32, heads=4, dropout=0.1),
+         "--tokens-per-sample", "64", "--sample-break-mode", "none", "--max-tokens", "512",
+         "--criterion", "cross_entropy", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01",
+         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000", "--lr", "0.0005", "--clip-norm", "1.0",
+         "--max-update", "3", "--cpu", "--seed", "5", "--num-workers", "0", "--disable-validation",
+         "--no-epoch-checkpoints", "--save-dir", tmp_path / "flags"])
     hydra = torch.load(tmp_path / "hydra" / "checkpoint_last.pt", weights_only=True)["model"]
     flags = torch.load(tmp_path / "flags" / "checkpoint_last.pt", weights_only=True)["model"]
     assert hydra.keys() == flags.keys()
