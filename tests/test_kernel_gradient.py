@@ -183,7 +183,7 @@ def test_when_the_fused_gradient_applies():
 
     def backend(q, k, dropout=0.0, source=bias, **options):
         view = block_bias(source, q.size(2), k.size(2), k.size(2) - q.size(2))
-        settings = dict(fused=True, dropout=dropout, key_padding_mask=None, need_probabilities=False)
+        settings = dict(preference="auto", dropout=dropout, key_padding_mask=None, need_probabilities=False)
         return choose_backend(q, k, view, **{**settings, **options})
 
     assert backend(q, q) == "kernel gradient"
@@ -191,8 +191,8 @@ def test_when_the_fused_gradient_applies():
     assert backend(q, q, dropout=0.1) == "sdpa", "attention dropout: the probabilities are random"
     assert backend(q.half(), q.half()) == "sdpa"
     with torch.no_grad():
-        assert backend(q, q) == "sdpa", "nothing to differentiate (evaluation)"
-    assert backend(q, q, fused=False) == "explicit"
+        assert backend(q, q, preference="sdpa") == "sdpa", "nothing to differentiate (evaluation)"
+    assert backend(q, q, preference="explicit") == "explicit"
     assert backend(q, q, need_probabilities=True) == "explicit"
     assert backend(q, q, key_padding_mask=torch.zeros(1, 600, dtype=torch.bool)) == "explicit"
     for name in ("t5", "alibi"):  # no per-head parameters / no parameters

@@ -2,11 +2,15 @@
 
 :func:`attend` takes a block's queries, keys and values and what biases its scores (a
 :class:`~kerple_fairseq.attention.distance_bias.DistanceBlockBias`, which lays out the
-bias, and the weight of a weight kernel, only when a backend asks) and picks a backend:
+bias, and the weight of a weight kernel, only when a backend asks) and picks a backend
+(:func:`choose_backend`, ``--attention-backend``):
 
 - **explicit**: ``softmax(S * W + B) V`` with the scores ``S = q k^T`` materialised; the
-  reference path, and the only one that returns probabilities, takes key padding or a
-  weight kernel's ``W``;
+  reference path, and the only one that returns probabilities or takes a score transform;
+- **flex**: FlexAttention (:mod:`kerple_fairseq.attention.flex`) with the bias read inside
+  the kernel from its per-distance values (and a layer's own term), added in float32, never
+  laid out; on CUDA in training and evaluation (not with attention dropout, which it lacks),
+  on CPU without gradients;
 - **sdpa**: PyTorch's ``scaled_dot_product_attention`` with the bias as a 4-D additive mask
   (fused kernels on CPU and CUDA);
 - **kernel gradient**: on CPU, for learnable per-head kernels in training, PyTorch's fused
@@ -21,57 +25,96 @@ Other methods plug in as follows:
 - a **bias built by each layer** (:mod:`kerple_fairseq.layer_biases`: FIRE from the absolute
   positions of the block's queries and keys, the Forgetting Transformer from the layer's input)
   is added to the block's distance bias by :class:`~kerple_fairseq.attention.layer_bias.LayerBlockBias`,
-  ``[heads, ...]`` or ``[batch, heads, ...]``; both backends take either;
+  ``[heads, ...]`` or ``[batch, heads, ...]`` (or as a score term for FlexAttention);
 - a **score transform** (DAPE, :mod:`kerple_fairseq.attention.dape`; CoPE,
   :mod:`kerple_fairseq.attention.cope`) needs the scores, so it runs on the explicit backend, one
   block at a time.
 """
 
+import contextlib
 from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kerple_fairseq.attention import kernel_gradient
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kerple_fairseq.attention import flex, kernel_gradient
 from kerple_fairseq.attention.distance_bias import DistanceBlockBias
 
 #: ``transform(q, scores, bias)``: the logits from the block's queries, scores and bias (DAPE, CoPE)
 ScoreTransform = Callable[[Tensor, Tensor, Tensor], Tensor]
 
+#: ``--attention-backend`` choices
+BACKENDS = ("auto", "flex", "sdpa", "explicit")
+#: fewest keys from which ``auto`` uses compiled FlexAttention on CPU
+FLEX_MIN_KEYS_CPU = 512
+#: SDPA's backends when a mask is passed on CUDA: not cuDNN, whose query gradient is NaN with a mask
+#: when L % 128 == 64 and a row's log-sum-exp is below about -88.7 (PyTorch issue 196678, torch 2.11-2.13)
+MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-def choose_backend(q: Tensor, k: Tensor, bias: DistanceBlockBias, *, fused: bool, dropout: float,
+
+def choose_backend(q: Tensor, k: Tensor, bias: DistanceBlockBias, *, preference: str = "auto", dropout: float,
                    key_padding_mask: Optional[Tensor], need_probabilities: bool,
                    score_transform: Optional[ScoreTransform] = None) -> str:
-    """The backend for a block: explicit wherever scores or probabilities are needed (weights
-    requested, key padding, a weight kernel, a score transform) or fusing is off; otherwise sdpa,
-    or the kernel gradient backend where it applies."""
-    if (not fused or need_probabilities or key_padding_mask is not None or bias.has_weight
-            or score_transform is not None):
+    """The backend for a block. Explicit wherever scores or probabilities are needed (weights
+    requested, a score transform) or asked for. Then FlexAttention where it serves
+    (:func:`flex_serves`), if asked for, and by default on CUDA and for at least
+    :data:`FLEX_MIN_KEYS_CPU` keys on CPU. Otherwise explicit for key padding or a weight kernel,
+    the kernel gradient backend where it applies, else sdpa."""
+    if preference not in BACKENDS:
+        raise ValueError(f"unknown attention backend {preference!r}; choose one of: {', '.join(BACKENDS)}")
+    if preference == "explicit" or need_probabilities or score_transform is not None:
+        return "explicit"
+    if preference != "sdpa" and flex_serves(q, bias, dropout, key_padding_mask) and (
+            preference == "flex" or q.device.type == "cuda" or k.size(2) >= FLEX_MIN_KEYS_CPU):
+        return "flex"
+    if key_padding_mask is not None or bias.has_weight:
         return "explicit"
     if kernel_gradient.applies(q, k, bias, dropout):
         return "kernel gradient"
     return "sdpa"
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, bias: DistanceBlockBias, *, fused: bool = True, dropout: float = 0.0,
-           key_padding_mask: Optional[Tensor] = None, need_probabilities: bool = False,
+def flex_serves(q: Tensor, bias: DistanceBlockBias, dropout: float, key_padding_mask: Optional[Tensor]) -> bool:
+    """FlexAttention can attend the block: a bias it reads (every distance kernel, FIRE, FoX), a dtype
+    it takes (not float64), no attention dropout; on CPU, no gradient (it has no CPU backward) and,
+    compiled, no key padding (PyTorch 2.13's CPU compiler fails on masks that read the batch index)."""
+    if not (flex.available() and bias.serves_flex and dropout == 0.0 and q.dtype in flex.DTYPES):
+        return False
+    if q.device.type == "cuda":
+        return True
+    return (q.device.type == "cpu" and not torch.is_grad_enabled()
+            and (key_padding_mask is None or not flex.COMPILED))
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, bias: DistanceBlockBias, *, preference: str = "auto",
+           dropout: float = 0.0, key_padding_mask: Optional[Tensor] = None, need_probabilities: bool = False,
            score_transform: Optional[ScoreTransform] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """Attention of one block: ``q`` ``[B, H, T, D]`` (already scaled by ``1/sqrt(D)``), ``k`` and
     ``v`` ``[B, H, S, D]`` (the block's keys), ``key_padding_mask`` ``[B, S]`` (True: padding).
     Returns the attended values ``[B, H, T, D]`` and, with ``need_probabilities``, the float32
     probabilities ``[B, H, T, S]``."""
-    backend = choose_backend(q, k, bias, fused=fused, dropout=dropout, key_padding_mask=key_padding_mask,
+    backend = choose_backend(q, k, bias, preference=preference, dropout=dropout, key_padding_mask=key_padding_mask,
                              need_probabilities=need_probabilities, score_transform=score_transform)
+    if backend == "flex":
+        padding = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
+        return flex.attend(q, k, v, bias.score_mod(q.dtype, q.device), bias.block_mask(q.device, padding)), None
     if backend == "kernel gradient":
         return kernel_gradient.attend_with_kernel_gradient(q, k, v, bias), None
     if backend == "sdpa":
         mask = bias.mask(q.dtype, q.device)
         mask = mask if mask.dim() == 4 else mask[None]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=1.0), None
+        with sdpa_kernel(MASKED_SDPA_BACKENDS) if q.device.type == "cuda" else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=1.0), None
     scores = biased_scores(q, k, bias, key_padding_mask, score_transform)
     # in float32 for half-precision scores (as fairseq does), in float64 for float64 ones
     probabilities = torch.softmax(scores, dim=-1, dtype=torch.float64 if scores.dtype == torch.float64 else torch.float32)
+    if key_padding_mask is not None:
+        # a padded query whose window holds only padding sees no key: it attends to nothing (as in
+        # FlexAttention) rather than spreading NaN through the padded values into later layers
+        probabilities = probabilities.nan_to_num(0.0)
     attended = torch.matmul(F.dropout(probabilities.type_as(q), p=dropout, training=dropout > 0), v)
     return attended, probabilities if need_probabilities else None
 

@@ -16,6 +16,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
+from kerple_fairseq.attention import flex
 from kerple_fairseq.attention.blocks import QueryBlock
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels import BiasKernel
@@ -219,6 +220,9 @@ class DistanceBlockBias:
     def requires_grad(self) -> bool:
         return self.source.parameters_require_grad
 
+    #: FlexAttention serves every distance kernel
+    serves_flex = True
+
     @property
     def per_head_parameters(self) -> bool:
         return self.source.kernel.per_head_parameters
@@ -238,6 +242,29 @@ class DistanceBlockBias:
 
     def distance_values(self, kind: str, dtype: torch.dtype, device) -> Tensor:
         return self.source.distance_values(kind, self.num_distances, dtype, device)
+
+    def score_mod(self, dtype: torch.dtype, device) -> flex.ScoreMod:
+        """FlexAttention's score modification: the per-distance values in float32 (float64 for a
+        float64 ``dtype``), read at the block's distances."""
+        precise = torch.float64 if dtype == torch.float64 else torch.float32
+        offset = torch.full((1,), self.block.offset, dtype=torch.int64, device=device)
+        values = self.distance_values("bias", precise, device)
+        if not self.has_weight:
+            return flex.distance_bias(values, offset)
+        return flex.weighted_distance_bias(values, self.distance_values("weight", precise, device), offset)
+
+    def block_mask(self, device, key_padding_mask: Optional[Tensor] = None):
+        """FlexAttention's block mask of the block: causality, any window and padded keys."""
+        block, window = self.block, self.source.attention_window
+
+        def build():
+            return flex.block_mask(block.num_queries, block.num_keys, block.offset, window, device,
+                                   key_padding_mask)
+
+        if key_padding_mask is not None:
+            return build()
+        return self.source.shared(("block mask", block.num_queries, block.num_keys, block.offset, window,
+                                   torch.device(device)), build)
 
     def _laid_out(self, kind: str, future: float, dtype, device) -> Tensor:
         block = self.block

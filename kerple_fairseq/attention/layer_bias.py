@@ -1,25 +1,29 @@
 """A block's distance bias plus the bias one layer builds for itself."""
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+from kerple_fairseq.attention import flex
 from kerple_fairseq.attention.distance_bias import DistanceBlockBias
 
 
 class LayerBlockBias:
     """The bias of one block of queries: the distance bias (causal mask, any attention window, the
     distance kernel) plus a layer's own bias (:class:`~kerple_fairseq.layer_biases.LayerBias`),
-    summed in float32 and cast once. Offers what the backends ask of a
-    :class:`DistanceBlockBias`; having no per-distance values, it is never given to the kernel
-    gradient backend."""
+    summed in float32 and cast once, or, for FlexAttention, added as the layer's score term. Offers
+    what the backends ask of a :class:`DistanceBlockBias`; having no per-distance values, it is never
+    given to the kernel gradient backend. ``first_position`` and ``state`` are what
+    :meth:`~kerple_fairseq.layer_biases.LayerBias.block_bias` takes."""
 
     per_head_parameters = False
 
-    def __init__(self, base: DistanceBlockBias, layer_bias: Callable[[], Tensor]):
+    def __init__(self, base: DistanceBlockBias, layer_bias, first_position: int, state: Optional[Tensor]):
         self.base = base
         self.layer_bias = layer_bias
+        self.first_position = first_position
+        self.state = state
 
     @property
     def block(self):
@@ -29,6 +33,10 @@ class LayerBlockBias:
     def has_weight(self) -> bool:
         return self.base.has_weight
 
+    @property
+    def serves_flex(self) -> bool:
+        return self.layer_bias.has_score_term
+
     def weight(self, dtype: torch.dtype, device) -> Optional[Tensor]:
         return self.base.weight(dtype, device)
 
@@ -36,4 +44,12 @@ class LayerBlockBias:
         """``[heads, queries, keys]`` or ``[batch, heads, queries, keys]``: both biases, ``-inf``
         for keys a query may not see."""
         precise = torch.float64 if dtype == torch.float64 else torch.float32
-        return (self.base.mask(precise, device) + self.layer_bias()).to(dtype)
+        layer = self.layer_bias.block_bias(self.block, self.first_position, self.state)
+        return (self.base.mask(precise, device) + layer).to(dtype)
+
+    def score_mod(self, dtype: torch.dtype, device) -> flex.ScoreMod:
+        return flex.plus(self.base.score_mod(dtype, device),
+                         self.layer_bias.score_term(self.block, self.first_position, self.state))
+
+    def block_mask(self, device, key_padding_mask: Optional[Tensor] = None):
+        return self.base.block_mask(device, key_padding_mask)

@@ -1,7 +1,6 @@
 """The self-attention module of the plugin's decoder layers."""
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -20,8 +19,8 @@ class AttentionSetup:
     """How every layer of one decoder attends. The decoder builds it once and owns the modules in
     it (the bias's parameters are registered once, in the decoder); each layer keeps a reference.
 
-    ``block_size``: queries per block for long sequences (0: one block); ``fused``: allow the
-    fused backends; ``cache_size``: incremental decoding keeps only this many most recent keys
+    ``block_size``: queries per block for long sequences (0: one block); ``backend``: the attention
+    backend asked for (:data:`~kerple_fairseq.attention.attend.BACKENDS`); ``cache_size``: incremental decoding keeps only this many most recent keys
     (0: all of them). ``layer_bias`` and ``score_transform`` build a layer's own bias
     (:class:`~kerple_fairseq.layer_biases.LayerBias`, added to ``bias``) and score transform (DAPE),
     called once per layer."""
@@ -29,7 +28,7 @@ class AttentionSetup:
     bias: DistanceBias
     rotary: Optional[RotaryEmbedding] = None
     block_size: int = 0
-    fused: bool = True
+    backend: str = "auto"
     cache_size: int = 0
     layer_bias: Optional[Callable[[], nn.Module]] = None
     score_transform: Optional[Callable[[], Optional[nn.Module]]] = None
@@ -123,8 +122,7 @@ class BiasedSelfAttention(MultiheadAttention):
         biases = [self.setup.bias.for_block(block, num_keys, shared=len(blocks) == 1) for block in blocks]
         if self.layer_bias is None:
             return biases
-        return [LayerBlockBias(bias, partial(self.layer_bias.block_bias, bias.block, first_position, state))
-                for bias in biases]
+        return [LayerBlockBias(bias, self.layer_bias, first_position, state) for bias in biases]
 
     def _positioned(self, q: Tensor, k: Tensor, block, first_position: int) -> Tuple[Tensor, Tensor]:
         """A block's queries and keys (sliced from the call's) with what rotary does per block, xPos's
@@ -159,7 +157,7 @@ class BiasedSelfAttention(MultiheadAttention):
             keys = slice(block.key_start, block.key_end)
             attended, probabilities[block] = attend(
                 *self._positioned(q, k, block, first_position), v[:, :, keys], bias,
-                fused=self.setup.fused, dropout=dropout,
+                preference=self.setup.backend, dropout=dropout,
                 key_padding_mask=None if key_padding_mask is None else key_padding_mask[:, keys],
                 need_probabilities=need_probabilities, score_transform=self.score_transform)
             pieces.append(attended)

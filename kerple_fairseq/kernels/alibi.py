@@ -4,11 +4,10 @@ import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-import torch
 from torch import Tensor
 
 from kerple_fairseq.errors import KernelConfigError
-from kerple_fairseq.kernels.base import BiasKernel
+from kerple_fairseq.kernels.base import BiasKernel, per_head_column
 from kerple_fairseq.kernels.registry import register_kernel
 
 
@@ -74,5 +73,5 @@ class AlibiKernel(BiasKernel):
         self.slopes = head_slopes(num_heads, alibi_shift, alibi_equal_slope)
 
     def forward(self, distance: Tensor) -> Tensor:
-        slopes = torch.tensor(self.slopes, dtype=self.compute_dtype(), device=distance.device)[:, None]
+        slopes = per_head_column(self.slopes, self.compute_dtype(), distance.device)
         return -slopes * distance.to(slopes.dtype)[None, :]

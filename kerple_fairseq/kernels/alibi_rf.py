@@ -10,6 +10,7 @@ from torch import Tensor
 
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels.alibi import AlibiSlopeOptions, head_slopes
+from kerple_fairseq.kernels.base import per_head_column
 from kerple_fairseq.kernels.constraints import LearnableKernelOptions
 from kerple_fairseq.kernels.learnable import LearnableKernel
 from kerple_fairseq.kernels.registry import register_kernel
@@ -79,7 +80,7 @@ class AlibiReceptiveFieldKernel(LearnableKernel):
     def forward(self, distance: Tensor) -> Tensor:
         rho = self.receptive_field(distance.device)
         d = distance.to(rho.dtype)[None, :]
-        slopes = torch.tensor(self.slopes, dtype=rho.dtype, device=distance.device)[:, None]
+        slopes = per_head_column(self.slopes, rho.dtype, distance.device)
         if self.decay == "exponential":
             fade = torch.exp(-d / rho)
         elif self.decay == "gaussian":

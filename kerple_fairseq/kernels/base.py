@@ -1,11 +1,17 @@
 """The interface every positional attention-bias kernel implements."""
 
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from kerple_fairseq.errors import KernelConfigError
+
+
+def per_head_column(values: Sequence[float], dtype: torch.dtype, device) -> Tensor:
+    """``values`` (one per head) as a ``[heads, 1]`` column, each filled on ``device``: a tensor made
+    from the list would be copied from host memory, which on a GPU waits for the device."""
+    return torch.stack([torch.full((1,), value, dtype=dtype, device=device) for value in values])
 
 
 class BiasKernel(nn.Module):

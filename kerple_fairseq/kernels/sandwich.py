@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from kerple_fairseq.errors import KernelConfigError
-from kerple_fairseq.kernels.base import BiasKernel
+from kerple_fairseq.kernels.base import BiasKernel, per_head_column
 from kerple_fairseq.kernels.registry import register_kernel
 
 SINUSOID_BASE = 10000.0
@@ -103,5 +103,5 @@ class SandwichSmoothedKernel(BiasKernel):
         self.coefficients = fit_log_curves(sandwich_curves(num_heads, check_dim(sandwich_dim), distances))
 
     def forward(self, distance: Tensor) -> Tensor:
-        a, b = torch.tensor(self.coefficients, dtype=self.compute_dtype(), device=distance.device).T
-        return -a[:, None] * torch.log1p(distance.to(a.dtype))[None, :] + b[:, None]
+        a, b = (per_head_column(column, self.compute_dtype(), distance.device) for column in zip(*self.coefficients))
+        return -a * torch.log1p(distance.to(a.dtype))[None, :] + b

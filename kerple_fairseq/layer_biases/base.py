@@ -57,6 +57,15 @@ class LayerBias(nn.Module):
         keys a query may not see are ignored."""
         raise NotImplementedError
 
+    #: :meth:`score_term` is implemented: FlexAttention can serve the bias without laying it out
+    has_score_term: ClassVar[bool] = False
+
+    def score_term(self, block: QueryBlock, first_position: int, state: Optional[Tensor]):
+        """:meth:`block_bias` as FlexAttention's term ``(batch, head, query, key) -> bias`` of the block's
+        query and key indices, over captured tensors (never a 0-d one), in float32 (float64 in a
+        float64 module)."""
+        raise NotImplementedError
+
     #: :meth:`curves` needs the layer's inputs (the bias depends on content)
     curves_need_inputs: ClassVar[bool] = False
 

@@ -109,6 +109,31 @@ class FireBias(LayerBias):
             self._frozen.pop(next(iter(self._frozen)))
         return bias
 
+    has_score_term = True
+
+    def score_term(self, block: QueryBlock, first_position: int, state: Optional[Tensor]):
+        """The bias of one cell from its query's position and distance: the MLP of one input, its
+        hidden units summed one by one."""
+        dtype = torch.float64 if self.c.dtype == torch.float64 else torch.float32
+        c = self.c.to(dtype).abs().reshape(1)
+        threshold = self.threshold().to(dtype).reshape(1)
+        hidden_weight, hidden_bias = self.hidden.weight.to(dtype).reshape(-1), self.hidden.bias.to(dtype)
+        out_weight, out_bias = self.out.weight.to(dtype), self.out.bias.to(dtype)
+        first_query = torch.full((1,), first_position + block.query_start, dtype=torch.int64, device=c.device)
+        offset = torch.full((1,), block.offset, dtype=torch.int64, device=c.device)
+        width = hidden_bias.numel()
+
+        def term(b, h, query, key):
+            distance = (query + offset[0] - key).clamp(min=0).to(dtype)
+            position = (query + first_query[0]).to(dtype)
+            u = torch.log1p(c[0] * distance) / (torch.log1p(c[0] * torch.maximum(position, threshold[0]))
+                                                + NORMALISER_EPS)
+            total = out_bias[h]
+            for unit in range(width):
+                total = total + out_weight[h, unit] * torch.relu(u * hidden_weight[unit] + hidden_bias[unit])
+            return total
+        return term
+
     def _block_bias(self, block: QueryBlock, first_position: int) -> Tensor:
         # float32 (float64 for a float64 module), whatever the model's dtype
         dtype = torch.float64 if self.c.dtype == torch.float64 else torch.float32

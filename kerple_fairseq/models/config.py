@@ -6,6 +6,7 @@ from dataclasses import field
 from fairseq.dataclass import ChoiceEnum
 from fairseq.models.transformer_lm import TransformerLanguageModelConfig
 
+from kerple_fairseq.attention.attend import BACKENDS
 from kerple_fairseq.attention.dape import VARIANTS as DAPE_VARIANTS
 from kerple_fairseq.attention.rotary import DYNAMIC_NTK_STEP, ROTARY_SCALINGS
 from kerple_fairseq.kernels import kernel_names, option_fields
@@ -73,15 +74,25 @@ def _make_config():
             ),
         ),
         (
+            "attention_backend",
+            ChoiceEnum(list(BACKENDS)),
+            field(
+                default="auto",
+                metadata={
+                    "help": "how attention is computed: flex (FlexAttention, the bias read inside the fused "
+                    "kernel; on CPU only without gradients), sdpa (PyTorch's scaled_dot_product_attention "
+                    "with the bias laid out as a mask), explicit (matmul and softmax, the reference path); "
+                    "auto: flex on CUDA and for long evaluation blocks on CPU, else sdpa. Methods a backend "
+                    "cannot serve fall back (DAPE and CoPE: explicit)"
+                },
+            ),
+        ),
+        (
             "unfused_attention",
             bool,
             field(
                 default=False,
-                metadata={
-                    "help": "compute attention with explicit matmul and softmax instead of PyTorch's fused "
-                    "scaled_dot_product_attention (used by default wherever the kernel has no weight); "
-                    "the reference path, for checks and speed comparisons"
-                },
+                metadata={"help": "the same as --attention-backend explicit"},
             ),
         ),
         (

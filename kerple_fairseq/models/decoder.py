@@ -73,11 +73,22 @@ def attention_setup(args) -> AttentionSetup:
                                dynamic_step=safe_getattr(args, "dynamic_ntk_step", DYNAMIC_NTK_STEP))
         if safe_getattr(args, "rotary_embeddings", False) else None,
         block_size=block_size,
-        fused=not safe_getattr(args, "unfused_attention", False),
+        backend=attention_backend(args),
         cache_size=cache_size,
         layer_bias=layer_bias,
         score_transform=score_transform,
     )
+
+
+def attention_backend(args) -> str:
+    """``--attention-backend``, or explicit with ``--unfused-attention``."""
+    backend = str(safe_getattr(args, "attention_backend", "auto"))
+    if safe_getattr(args, "unfused_attention", False):
+        if backend not in ("auto", "explicit"):
+            raise KernelConfigError(f"--unfused-attention is --attention-backend explicit: it cannot be combined "
+                                    f"with --attention-backend {backend}")
+        return "explicit"
+    return backend
 
 
 class KernelBiasedDecoderLayer(TransformerDecoderLayerBase):

@@ -1,0 +1,222 @@
+"""FlexAttention (``--attention-backend flex``): the same model as the explicit reference path for
+every method it serves, dense, in blocks, under a window, with padded keys and decoding one token at
+a time; compiled (as used) and eager. On CPU it has no backward, so these compare forwards (float32);
+its gradients are checked where CUDA is (tests/test_cuda.py)."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from helpers import random_tokens, tiny_model
+from kerple_fairseq.attention import flex
+from kerple_fairseq.attention.attend import choose_backend
+from kerple_fairseq.attention.blocks import QueryBlock
+from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.kernels import kernel_names
+from kerple_fairseq.layer_biases import layer_bias_names
+
+#: every method FlexAttention serves: each distance kernel and layer bias, and the rotary family
+#: (which acts on queries and keys) over the causal mask or a kernel
+METHODS = {name: (name, ["--attn-window", "9"] if name == "window" else []) for name in
+           sorted(kernel_names() + layer_bias_names())}
+METHODS.update({
+    "rotary": ("none", ["--rotary-embeddings"]),
+    "xpos": ("none", ["--rotary-embeddings", "--rotary-xpos"]),
+    "rotary-dynamic-ntk": ("none", ["--rotary-embeddings", "--rotary-scaling", "dynamic-ntk",
+                                    "--dynamic-ntk-step", "8", "--tokens-per-sample", "16"]),
+    "fire": ("fire", ["--fire-threshold", "4"]),
+})
+#: the fast tier: a distance kernel, a weight kernel and a layer bias on the eager kernel, one
+#: method compiled (every method both ways in the slow tier)
+FAST_EAGER = ["alibi", "kerple_bias_wht", "fox"]
+FAST_COMPILED = ["alibi"]
+TOLERANCE = dict(rtol=0, atol=2e-5)  # float32 log-probabilities
+
+
+def model_of(name, *flags):
+    kernel, method_flags = METHODS[name]
+    torch.manual_seed(0)
+    model = tiny_model(kernel, *method_flags, *flags).eval()
+    with torch.no_grad():  # learnable parts away from their initial values
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def log_probs(model, tokens, backend, **kwargs):
+    model.decoder.setup.backend = backend
+    with torch.no_grad():
+        return torch.log_softmax(model(tokens, **kwargs)[0].double(), dim=-1)
+
+
+def decoded(model, tokens, backend):
+    """Log-probabilities decoding one token per step with fairseq's incremental state."""
+    model.decoder.setup.backend = backend
+    state, steps = {}, []
+    with torch.no_grad():
+        for end in range(1, tokens.size(1) + 1):
+            steps.append(torch.log_softmax(model(tokens[:, :end], incremental_state=state)[0].double(), dim=-1))
+    return torch.cat(steps, dim=1)
+
+
+@pytest.fixture
+def flex_calls(monkeypatch):
+    """Count FlexAttention calls (and fail if a call is not the kind asked for)."""
+    calls = []
+    original = flex.attend
+    monkeypatch.setattr(flex, "attend", lambda *a: calls.append(a[0].shape) or original(*a))
+    return calls
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    monkeypatch.setattr(flex, "COMPILED", True)
+    torch._dynamo.reset()  # a fresh compile per test: dynamo's per-function recompile limit is never reached
+
+
+@pytest.fixture
+def eager(monkeypatch):
+    monkeypatch.setattr(flex, "COMPILED", False)
+
+
+VARIANTS = {
+    "dense": dict(flags=["--attention-block-size", "0"], length=48),
+    "blocks": dict(flags=["--attention-block-size", "16"], length=70),
+    "window": dict(flags=["--attention-block-size", "16", "--attn-window", "11"], length=70),
+    "padding": dict(flags=["--attention-block-size", "0"], length=40),
+    "decoding": dict(flags=["--attention-block-size", "0"], length=12),
+}
+
+
+def check_against_reference(name, variant, flex_calls):
+    if name == "window" and variant == "window":
+        pytest.skip("the window kernel has its own window: the 'window' variant is its dense case")
+    spec = VARIANTS[variant]
+    model = model_of(name, *spec["flags"])
+    tokens = random_tokens(batch=3, length=spec["length"], seed=1)
+    if variant == "decoding":
+        got, expected = decoded(model, tokens, "flex"), log_probs(model, tokens, "explicit")
+    elif variant == "padding":
+        lengths = [40, 29, 17]  # right-padded, as fairseq batches sentences
+        for row, length in enumerate(lengths):
+            tokens[row, length:] = model.decoder.padding_idx
+        got, expected = log_probs(model, tokens, "flex"), log_probs(model, tokens, "explicit")
+        real = tokens.ne(model.decoder.padding_idx)
+        got, expected = got[real], expected[real]
+    else:
+        got, expected = log_probs(model, tokens, "flex"), log_probs(model, tokens, "explicit")
+    assert flex_calls, "FlexAttention was not used"
+    torch.testing.assert_close(got, expected, **TOLERANCE)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", FAST_EAGER)
+def test_eager_flex_equals_the_reference(name, variant, eager, flex_calls):
+    check_against_reference(name, variant, flex_calls)
+
+
+#: compiled on CPU, padded keys are not served (tests/test_cuda.py checks them on CUDA)
+COMPILED_VARIANTS = [v for v in VARIANTS if v != "padding"]
+
+
+@pytest.mark.parametrize("variant", COMPILED_VARIANTS)
+@pytest.mark.parametrize("name", FAST_COMPILED)
+def test_compiled_flex_equals_the_reference(name, variant, compiled, flex_calls):
+    check_against_reference(name, variant, flex_calls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", [m for m in METHODS if m not in FAST_EAGER])
+def test_eager_flex_equals_the_reference_for_every_method(name, variant, eager, flex_calls):
+    check_against_reference(name, variant, flex_calls)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", COMPILED_VARIANTS)
+@pytest.mark.parametrize("name", [m for m in METHODS if m not in FAST_COMPILED])
+def test_compiled_flex_equals_the_reference_for_every_method(name, variant, compiled, flex_calls):
+    check_against_reference(name, variant, flex_calls)
+
+
+def test_compiles_are_bounded_over_lengths_and_decoding(monkeypatch):
+    """An evaluation at six lengths, in blocks, then decoding: a bounded number of compiles, counted."""
+    monkeypatch.setattr(flex, "COMPILED", True)
+    torch._dynamo.reset()
+    model = model_of("kerple_log", "--attention-block-size", "64")
+    before = flex.compile_report()[0]
+    for length in (16, 32, 64, 128, 256, 512):
+        expected = log_probs(model, random_tokens(batch=1, length=length), "explicit")
+        torch.testing.assert_close(log_probs(model, random_tokens(batch=1, length=length), "flex"), expected,
+                                   **TOLERANCE)
+    decoded(model, random_tokens(batch=2, length=6), "flex")
+    count, seconds = flex.compile_report()
+    assert 1 <= count - before <= 6, f"{count - before} compiles"
+    assert seconds > 0
+
+
+def test_block_mask_is_exact_and_skips_tiles():
+    """The tiles of the block mask against the mask itself: a tile is listed iff some query sees some
+    key in it, and full iff every query sees every key; the mask's own size is the block's."""
+    for queries, keys, offset, window in [(300, 300, 0, 0), (1, 700, 699, 0), (200, 520, 320, 150),
+                                          (129, 257, 128, 0), (64, 64, 0, 1)]:
+        mask = flex.block_mask(queries, keys, offset, window, "cpu").tiles
+        assert mask.seq_lengths == (queries, keys)
+        t, s = torch.arange(queries)[:, None], torch.arange(keys)[None, :]
+        d = offset + t - s
+        seen = (d >= 0) & ((d < window) if window else True)
+        tiles = seen.new_zeros(mask.kv_num_blocks.size(-1), -(-keys // flex.BLOCK))
+        full = tiles.clone()
+        for qt in range(tiles.size(0)):
+            for kt in range(tiles.size(1)):
+                cell = seen[qt * flex.BLOCK:(qt + 1) * flex.BLOCK, kt * flex.BLOCK:(kt + 1) * flex.BLOCK]
+                tiles[qt, kt], full[qt, kt] = cell.any(), cell.all()
+        for qt in range(tiles.size(0)):
+            partial = mask.kv_indices[0, 0, qt, :mask.kv_num_blocks[0, 0, qt]].tolist()
+            complete = mask.full_kv_indices[0, 0, qt, :mask.full_kv_num_blocks[0, 0, qt]].tolist()
+            assert sorted(partial + complete) == tiles[qt].nonzero().flatten().tolist()
+            assert sorted(complete) == full[qt].nonzero().flatten().tolist()
+
+
+def test_where_flex_is_chosen():
+    model = tiny_model("kerple_log")
+    bias = model.decoder.setup.bias.for_block(QueryBlock(0, 600, 0, 600, 0), 600, shared=False)
+    q = torch.zeros(1, 4, 600, 8)
+
+    def backend(q, k, dropout=0.0, **options):
+        settings = dict(dropout=dropout, key_padding_mask=None, need_probabilities=False)
+        return choose_backend(q, k, bias, **{**settings, **options})
+
+    with torch.no_grad():
+        assert backend(q, q) == "flex", "CPU evaluation with enough keys"
+        assert backend(q[:, :, :100], q[:, :, :100]) == "sdpa", "too few keys on CPU to pay"
+        assert backend(q[:, :, :100], q[:, :, :100], preference="flex") == "flex"
+        assert backend(q, q, preference="sdpa") == "sdpa"
+        assert backend(q, q, preference="explicit") == "explicit"
+        padding = torch.zeros(1, 600, dtype=torch.bool)
+        assert backend(q, q, key_padding_mask=padding) == "explicit", "no compiled padding mask on CPU"
+        flex.COMPILED = False
+        try:
+            assert backend(q, q, key_padding_mask=padding) == "flex", "the eager kernel takes padding"
+        finally:
+            flex.COMPILED = True
+        assert backend(q, q, need_probabilities=True) == "explicit"
+        assert backend(q, q, score_transform=lambda *a: a[1]) == "explicit", "DAPE and CoPE"
+        assert backend(q.double(), q.double()) == "sdpa", "no float64 kernel"
+        assert backend(q, q, dropout=0.1) == "sdpa", "FlexAttention has no attention dropout"
+    assert backend(q, q) == "kernel gradient", "no backward on CPU"
+    assert backend(q, q, preference="flex") == "kernel gradient"
+    with FakeTensorMode():  # CUDA: in training too, for any length
+        cuda = torch.empty(1, 4, 100, 8, device=torch.device("cuda", 0))
+    assert backend(cuda, cuda) == "flex"
+    assert backend(cuda, cuda, dropout=0.1) == "sdpa"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        backend(q, q, preference="triton")
+
+
+def test_unfused_attention_is_the_explicit_backend():
+    assert tiny_model("alibi", "--unfused-attention").decoder.setup.backend == "explicit"
+    assert tiny_model("alibi", "--attention-backend", "sdpa").decoder.setup.backend == "sdpa"
+    with pytest.raises(KernelConfigError, match="--unfused-attention is --attention-backend explicit"):
+        tiny_model("alibi", "--unfused-attention", "--attention-backend", "flex")
+
