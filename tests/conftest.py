@@ -31,6 +31,18 @@ from kerple_fairseq.experiments.wikitext103 import preprocess  # noqa: E402
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts processes (fairseq-train, fairseq-eval-lm, the scripts); "
                             "deselect with -m 'not slow'")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; scripts/gpu-check.sh runs this tier (-m cuda)")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU: scripts/gpu-check.sh runs this tier where one is")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(no_gpu)
 
 
 def run(args, cwd=REPO, check=True, **kwargs):

@@ -5,6 +5,8 @@ import argparse
 import torch
 
 from kerple_fairseq.experiments.language_models import DictionaryTask, build_model, model_size_flags, parse_model_flags
+from kerple_fairseq.kernels import kernel_names
+from kerple_fairseq.layer_biases import layer_bias_names
 
 VOCAB = 50
 TINY = model_size_flags(layers=2, width=32, heads=4, dropout=0.0)
@@ -29,3 +31,28 @@ def random_tokens(batch=3, length=24, seed=0):
     """Token ids of :class:`TinyTask`'s dictionary past its 4 special symbols."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(4, VOCAB + 4, (batch, length), generator=g)
+
+
+#: every method FlexAttention serves, by name: (``--bias-kernel``, more flags): each distance kernel
+#: and layer bias, and the rotary family (which acts on queries and keys) over the causal mask
+FLEX_METHODS = {name: (name, ["--attn-window", "9"] if name == "window" else []) for name in
+                sorted(kernel_names() + layer_bias_names())}
+FLEX_METHODS.update({
+    "rotary": ("none", ["--rotary-embeddings"]),
+    "xpos": ("none", ["--rotary-embeddings", "--rotary-xpos"]),
+    "rotary-dynamic-ntk": ("none", ["--rotary-embeddings", "--rotary-scaling", "dynamic-ntk",
+                                    "--dynamic-ntk-step", "8", "--tokens-per-sample", "16"]),
+    "fire": ("fire", ["--fire-threshold", "4"]),
+})
+
+
+def flex_method_model(name: str, *flags: str):
+    """:data:`FLEX_METHODS` ``name``'s tiny model in evaluation mode, every parameter moved away from
+    its initial value (seed 0)."""
+    kernel, method_flags = FLEX_METHODS[name]
+    torch.manual_seed(0)
+    model = tiny_model(kernel, *method_flags, *flags).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model

@@ -7,40 +7,19 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from helpers import random_tokens, tiny_model
+from helpers import FLEX_METHODS, flex_method_model, random_tokens, tiny_model
 from kerple_fairseq.attention import flex
 from kerple_fairseq.attention.attend import choose_backend
 from kerple_fairseq.attention.blocks import QueryBlock
+from kerple_fairseq.attention.layer_bias import LayerBlockBias
 from kerple_fairseq.errors import KernelConfigError
-from kerple_fairseq.kernels import kernel_names
 from kerple_fairseq.layer_biases import layer_bias_names
 
-#: every method FlexAttention serves: each distance kernel and layer bias, and the rotary family
-#: (which acts on queries and keys) over the causal mask or a kernel
-METHODS = {name: (name, ["--attn-window", "9"] if name == "window" else []) for name in
-           sorted(kernel_names() + layer_bias_names())}
-METHODS.update({
-    "rotary": ("none", ["--rotary-embeddings"]),
-    "xpos": ("none", ["--rotary-embeddings", "--rotary-xpos"]),
-    "rotary-dynamic-ntk": ("none", ["--rotary-embeddings", "--rotary-scaling", "dynamic-ntk",
-                                    "--dynamic-ntk-step", "8", "--tokens-per-sample", "16"]),
-    "fire": ("fire", ["--fire-threshold", "4"]),
-})
 #: the fast tier: a distance kernel, a weight kernel and a layer bias on the eager kernel, one
 #: method compiled (every method both ways in the slow tier)
 FAST_EAGER = ["alibi", "kerple_bias_wht", "fox"]
 FAST_COMPILED = ["alibi"]
 TOLERANCE = dict(rtol=0, atol=2e-5)  # float32 log-probabilities
-
-
-def model_of(name, *flags):
-    kernel, method_flags = METHODS[name]
-    torch.manual_seed(0)
-    model = tiny_model(kernel, *method_flags, *flags).eval()
-    with torch.no_grad():  # learnable parts away from their initial values
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
 
 
 def log_probs(model, tokens, backend, **kwargs):
@@ -92,7 +71,7 @@ def check_against_reference(name, variant, flex_calls):
     if name == "window" and variant == "window":
         pytest.skip("the window kernel has its own window: the 'window' variant is its dense case")
     spec = VARIANTS[variant]
-    model = model_of(name, *spec["flags"])
+    model = flex_method_model(name, *spec["flags"])
     tokens = random_tokens(batch=3, length=spec["length"], seed=1)
     if variant == "decoding":
         got, expected = decoded(model, tokens, "flex"), log_probs(model, tokens, "explicit")
@@ -115,8 +94,9 @@ def test_eager_flex_equals_the_reference(name, variant, eager, flex_calls):
     check_against_reference(name, variant, flex_calls)
 
 
-#: compiled on CPU, padded keys are not served (tests/test_cuda.py checks them on CUDA)
+#: compiled on CPU, padded keys and layer biases are not served (tests/test_cuda.py checks them on CUDA)
 COMPILED_VARIANTS = [v for v in VARIANTS if v != "padding"]
+COMPILED_ON_CPU = [m for m in FLEX_METHODS if m not in layer_bias_names()]
 
 
 @pytest.mark.parametrize("variant", COMPILED_VARIANTS)
@@ -127,14 +107,14 @@ def test_compiled_flex_equals_the_reference(name, variant, compiled, flex_calls)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("name", [m for m in METHODS if m not in FAST_EAGER])
+@pytest.mark.parametrize("name", [m for m in FLEX_METHODS if m not in FAST_EAGER])
 def test_eager_flex_equals_the_reference_for_every_method(name, variant, eager, flex_calls):
     check_against_reference(name, variant, flex_calls)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", COMPILED_VARIANTS)
-@pytest.mark.parametrize("name", [m for m in METHODS if m not in FAST_COMPILED])
+@pytest.mark.parametrize("name", [m for m in COMPILED_ON_CPU if m not in FAST_COMPILED])
 def test_compiled_flex_equals_the_reference_for_every_method(name, variant, compiled, flex_calls):
     check_against_reference(name, variant, flex_calls)
 
@@ -143,7 +123,7 @@ def test_compiles_are_bounded_over_lengths_and_decoding(monkeypatch):
     """An evaluation at six lengths, in blocks, then decoding: a bounded number of compiles, counted."""
     monkeypatch.setattr(flex, "COMPILED", True)
     torch._dynamo.reset()
-    model = model_of("kerple_log", "--attention-block-size", "64")
+    model = flex_method_model("kerple_log", "--attention-block-size", "64")
     before = flex.compile_report()[0]
     for length in (16, 32, 64, 128, 256, 512):
         expected = log_probs(model, random_tokens(batch=1, length=length), "explicit")
@@ -183,7 +163,7 @@ def test_where_flex_is_chosen():
     bias = model.decoder.setup.bias.for_block(QueryBlock(0, 600, 0, 600, 0), 600, shared=False)
     q = torch.zeros(1, 4, 600, 8)
 
-    def backend(q, k, dropout=0.0, **options):
+    def backend(q, k, dropout=0.0, bias=bias, **options):
         settings = dict(dropout=dropout, key_padding_mask=None, need_probabilities=False)
         return choose_backend(q, k, bias, **{**settings, **options})
 
@@ -204,6 +184,8 @@ def test_where_flex_is_chosen():
         assert backend(q, q, score_transform=lambda *a: a[1]) == "explicit", "DAPE and CoPE"
         assert backend(q.double(), q.double()) == "sdpa", "no float64 kernel"
         assert backend(q, q, dropout=0.1) == "sdpa", "FlexAttention has no attention dropout"
+        fox = LayerBlockBias(bias, tiny_model("fox").decoder.layers[0].self_attn.layer_bias, 0, None)
+        assert backend(q, q, bias=fox) == "sdpa", "no compiled layer bias on CPU"
     assert backend(q, q) == "kernel gradient", "no backward on CPU"
     assert backend(q, q, preference="flex") == "kernel gradient"
     with FakeTensorMode():  # CUDA: in training too, for any length

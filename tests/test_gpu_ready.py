@@ -63,9 +63,6 @@ METHODS = [[kernel, *(["--attn-window", "8"] if kernel == "window" else [])] for
 #: stock fairseq's TransformerDecoder: whether the batch has padding (none has here), at every forward
 PADDING_CHECK = ("fairseq/models/transformer/transformer_decoder.py",
                  "if self.cross_self_attention or prev_output_tokens.eq(self.padding_idx).any():")
-#: decoding: the position of the new token, kept in the cache
-CACHED_POSITION = ("kerple_fairseq/attention/self_attention.py",
-                   'first_position = int(saved["positions_seen"][0]) if "positions_seen" in saved else 0')
 #: without gradients: a learnable kernel's parameters as the key of the bias kept while they are frozen
 KERNEL_CACHE_KEY = ("kerple_fairseq/attention/distance_bias.py",
                     "values = tuple(tuple(p.detach().flatten().tolist()) for p in self.kernel.parameters())")
@@ -75,7 +72,7 @@ FIRE_CACHE_KEY = ("kerple_fairseq/layer_biases/fire.py",
 FIRE_THRESHOLD_KEY = ("kerple_fairseq/layer_biases/fire.py", "self.c.device, self.threshold_base.item(), values)")
 
 TRAINING_ANSWERS = {PADDING_CHECK: False}
-#: and CACHED_POSITION, set at each step; a cache key may be any value while the parameters do not change
+#: a cache key may be any value while the parameters do not change
 DECODING_ANSWERS = {PADDING_CHECK: False, KERNEL_CACHE_KEY: 0.0, FIRE_CACHE_KEY: 0.0, FIRE_THRESHOLD_KEY: 0.0}
 
 TORCH = Path(torch.__file__).resolve().parent
@@ -180,8 +177,7 @@ def decode(model, steps, watch):
     cache = {}
     prefix = torch.full((BATCH, 1), model.decoder.dictionary.eos(), device=DEVICE)
     order = torch.arange(BATCH - 1, -1, -1, device=DEVICE)
-    for step in range(steps):
-        watch.answers[CACHED_POSITION] = step
+    for _ in range(steps):
         logits, extra = model(prefix, incremental_state=cache)
         log_probs = model.get_normalized_probs((logits, extra), log_probs=True)[:, -1]
         model.decoder.reorder_incremental_state_scripting(cache, order)
@@ -190,9 +186,9 @@ def decode(model, steps, watch):
 
 
 def decoding_reads(model):
-    """The host reads decoding makes: stock fairseq's, the cached position, and the cache keys of the
-    frozen parameters of a learnable kernel and of FIRE."""
-    reads = {PADDING_CHECK, CACHED_POSITION}
+    """The host reads decoding makes: stock fairseq's, and the cache keys of the frozen parameters of a
+    learnable kernel and of FIRE."""
+    reads = {PADDING_CHECK}
     if any(True for _ in model.decoder.attention_bias.kernel.parameters()):
         reads.add(KERNEL_CACHE_KEY)
     if isinstance(model.decoder.layers[0].self_attn.layer_bias, FireBias):
@@ -233,7 +229,8 @@ def test_incremental_decoding_stays_on_the_device(flags):
     layers = [state for state in cache.values() if "prev_key" in state]
     kept = min(DECODING_STEPS, model.decoder.setup.cache_size or DECODING_STEPS)
     assert len(layers) == len(model.decoder.layers) and all(s["prev_key"].size(2) == kept for s in layers)
-    assert all(t.device == DEVICE for state in layers for t in state.values() if t is not None)
+    assert all(t.device == DEVICE for state in layers for t in state.values() if isinstance(t, torch.Tensor))
+    assert all(state["positions_seen"] == DECODING_STEPS for state in layers), "a host int, not a tensor"
 
 
 OFFENCES = {

@@ -80,13 +80,14 @@ def choose_backend(q: Tensor, k: Tensor, bias: DistanceBlockBias, *, preference:
 def flex_serves(q: Tensor, bias: DistanceBlockBias, dropout: float, key_padding_mask: Optional[Tensor]) -> bool:
     """FlexAttention can attend the block: a bias it reads (every distance kernel, FIRE, FoX), a dtype
     it takes (not float64), no attention dropout; on CPU, no gradient (it has no CPU backward) and,
-    compiled, no key padding (PyTorch 2.13's CPU compiler fails on masks that read the batch index)."""
+    compiled, neither key padding nor a layer's own bias (PyTorch 2.13's CPU compiler fails on terms
+    that read the batch index, as padding and FoX do, and on FIRE's)."""
     if not (flex.available() and bias.serves_flex and dropout == 0.0 and q.dtype in flex.DTYPES):
         return False
     if q.device.type == "cuda":
         return True
     return (q.device.type == "cpu" and not torch.is_grad_enabled()
-            and (key_padding_mask is None or not flex.COMPILED))
+            and (not flex.COMPILED or (key_padding_mask is None and not bias.has_layer_term)))
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: DistanceBlockBias, *, preference: str = "auto",
@@ -122,12 +123,16 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: DistanceBlockBias, *, preferen
 def biased_scores(q: Tensor, k: Tensor, bias: DistanceBlockBias, key_padding_mask: Optional[Tensor] = None,
                   score_transform: Optional[ScoreTransform] = None) -> Tensor:
     """``[B, H, T, S]`` logits ``(q k^T) * W + B`` (or ``score_transform`` of ``q``, ``(q k^T) * W``
-    and ``B``), ``-inf`` at padded keys."""
+    and ``B``), ``-inf`` at padded keys. In half precision the bias is added in float32 (the softmax
+    reads float32 anyway), except under a score transform, whose layers run in the model's dtype."""
     scores = torch.matmul(q, k.transpose(-1, -2))
-    weight = bias.weight(q.dtype, q.device)
+    dtype = q.dtype
+    if score_transform is None and dtype in (torch.float16, torch.bfloat16):
+        scores, dtype = scores.float(), torch.float32
+    weight = bias.weight(dtype, q.device)
     if weight is not None:
         scores = scores * weight
-    mask = bias.mask(q.dtype, q.device)  # [H, T, S] (broadcast over the batch) or [B, H, T, S]
+    mask = bias.mask(dtype, q.device)  # [H, T, S] (broadcast over the batch) or [B, H, T, S]
     padding = None if key_padding_mask is None else key_padding_mask[:, None, None, :].to(torch.bool)
     if score_transform is not None:
         # padded keys are hidden from the transform as future keys are

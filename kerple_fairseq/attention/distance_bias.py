@@ -222,6 +222,8 @@ class DistanceBlockBias:
 
     #: FlexAttention serves every distance kernel
     serves_flex = True
+    #: no layer's own bias is added
+    has_layer_term = False
 
     @property
     def per_head_parameters(self) -> bool:

@@ -18,6 +18,7 @@ class LayerBlockBias:
     :meth:`~kerple_fairseq.layer_biases.LayerBias.block_bias` takes."""
 
     per_head_parameters = False
+    has_layer_term = True
 
     def __init__(self, base: DistanceBlockBias, layer_bias, first_position: int, state: Optional[Tensor]):
         self.base = base

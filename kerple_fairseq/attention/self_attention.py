@@ -43,8 +43,9 @@ class BiasedSelfAttention(MultiheadAttention):
     The forward pass projects, rotates, updates the key/value cache, attends block by block
     (:func:`~kerple_fairseq.attention.attend.attend` picks the backend per block) and projects
     out. The module lays out its own causal bias, so fairseq's ``attn_mask`` must be None (the
-    plugin's decoder passes none). The cache has fairseq's layout plus ``positions_seen`` (a
-    ``[batch]`` tensor, so beam-search reordering carries it); with ``setup.cache_size = w`` it
+    plugin's decoder passes none). The cache has fairseq's layout plus ``positions_seen``, a Python
+    int: fairseq decodes every hypothesis of a batch in step, so the position is known on the host
+    and read without waiting for the device; with ``setup.cache_size = w`` it
     keeps only the last ``w`` keys and values (Sandwich App. B), and the new query then attends
     as under a window of ``w``. A layer bias with a per-key state keeps it in the cache as
     ``prev_bias_state`` ``[batch, heads, keys]``, trimmed and reordered with the keys.
@@ -79,7 +80,7 @@ class BiasedSelfAttention(MultiheadAttention):
         num_queries, batch, embed_dim = query.size()
         q, k, v = self._project(query)
         saved = self._get_input_buffer(incremental_state) if incremental_state is not None else {}
-        first_position = int(saved["positions_seen"][0]) if "positions_seen" in saved else 0
+        first_position = saved.get("positions_seen", 0)
         if self.setup.rotary is not None:
             q, k = self.setup.rotary(q, k, offset=first_position)
         state = None if self.layer_bias is None else self.layer_bias.key_state(query, saved.get("prev_bias_state"))
@@ -194,9 +195,17 @@ class BiasedSelfAttention(MultiheadAttention):
         if state is not None:
             saved["prev_bias_state"] = state
         saved["prev_key_padding_mask"] = key_padding_mask
-        saved["positions_seen"] = torch.full((batch,), positions_seen, dtype=torch.long, device=k.device)
+        saved["positions_seen"] = positions_seen
         self._set_input_buffer(incremental_state, saved)
         return k, v, key_padding_mask, state
+
+    def reorder_incremental_state(self, incremental_state, new_order: Tensor):
+        """Beam search: the cached tensors follow ``new_order``; the position is every row's."""
+        saved = self._get_input_buffer(incremental_state)
+        for key, value in saved.items():
+            if isinstance(value, Tensor):
+                saved[key] = value.index_select(0, new_order)
+        return self._set_input_buffer(incremental_state, saved)
 
     @staticmethod
     def _returned_weights(probabilities: Optional[Tensor], per_head: bool) -> Optional[Tensor]:

@@ -1,9 +1,12 @@
-"""Cost of the bias kernels against no bias: training-step and evaluation time at several lengths,
-peak memory of one evaluation forward (in a fresh process per model), and token-by-token
-generation with and without a trimmed cache. ``scripts/benchmark.py`` is its command line; the
+"""Cost of the bias kernels against a baseline (no bias, or any other model): training-step and
+evaluation time at several lengths, peak memory of one evaluation forward (on CPU in a fresh
+process per model, on CUDA in this one), token-by-token generation with and without a trimmed
+cache, and what compiling FlexAttention cost. ``scripts/benchmark.py`` is its command line; the
 ``args`` below are that command line's options."""
 
 import argparse
+import collections
+import contextlib
 import json
 import statistics
 import subprocess
@@ -15,36 +18,58 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kerple_fairseq.attention import flex
+from kerple_fairseq.attention import attend
+from kerple_fairseq.attention.attend import BACKENDS
 from kerple_fairseq.experiments.language_models import build_language_model, model_size_flags
 from kerple_fairseq.experiments.paths import SCRIPTS
 
-STOCK = {"none": ["--arch", "transformer_lm", "--no-token-positional-embeddings"],
-         "sinusoidal": ["--arch", "transformer_lm"]}
+#: stock fairseq models by name: their position encoding (``none``: the causal mask alone)
+STOCK = {"none": ["--no-token-positional-embeddings"], "sinusoidal": []}
 DEFAULT_MODELS = ["none", "sinusoidal", "alibi", "kerple_log", "kerple_power", "t5"]
 #: after "+": DAPE v1 or v2, or CoPE, over the kernel
 SCORE_TRANSFORMS = {"": [], "dape": ["--dape", "mlp"], "dape-conv": ["--dape", "conv"], "cope": ["--cope"]}
+#: WikiText-103's vocabulary, the size of ``--wiki103``'s adaptive input and softmax
+WIKITEXT_103_VOCAB = 267735
 
 
 def model_flags(name: str, args: argparse.Namespace, extra: Sequence[str] = ()) -> list:
     """Stock ``transformer_lm`` for ``none`` and ``sinusoidal``, else the plugin with ``--bias-kernel KERNEL``
-    for ``name`` = ``KERNEL`` or ``KERNEL+dape`` / ``+dape-conv`` / ``+cope`` (with ``--dape mlp`` / ``conv``, ``--cope``), and the
-    ``--model-args`` (then ``extra``); every model long enough for every length measured."""
-    size = model_size_flags(args.layers, args.width, args.heads, dropout=0.1)
+    for ``name`` = ``KERNEL`` or ``KERNEL+dape`` / ``+dape-conv`` / ``+cope`` (with ``--dape mlp`` / ``conv``,
+    ``--cope``), each optionally followed by ``@BACKEND`` (``--attention-backend BACKEND``), and the
+    ``--model-args`` (then ``extra``). With ``--wiki103``, ALiBi's WikiText-103 architectures
+    (``transformer_lm_wiki103``, ``transformer_lm_kerple_wiki103``) at their own size, else ``--layers``,
+    ``--width`` and ``--heads``; every model long enough for every length measured."""
+    size = [] if args.wiki103 else model_size_flags(args.layers, args.width, args.heads, dropout=0.1)
     positions = ["--max-target-positions", str(max(args.lengths + args.memory_lengths + [1024]))]
+    wiki103 = "_wiki103" if args.wiki103 else ""
+    name, _, backend = name.partition("@")
     if name in STOCK:
-        return [*STOCK[name], *size, *positions]
+        if backend:
+            raise ValueError(f"model {name!r} is stock fairseq: it has no --attention-backend (@{backend})")
+        return ["--arch", f"transformer_lm{wiki103}", *STOCK[name], *size, *positions]
     kernel, _, transform = name.partition("+")
     if transform not in SCORE_TRANSFORMS:
         raise ValueError(f"unknown model {name!r}: a kernel name, optionally followed by "
                          f"{' or '.join('+' + t for t in SCORE_TRANSFORMS if t)}")
-    return ["--arch", "transformer_lm_kerple", "--bias-kernel", kernel, *SCORE_TRANSFORMS[transform], *size,
-            *args.model_args, *extra, *positions]
+    if backend and backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend @{backend} in {name}@{backend}: choose one of "
+                         f"{', '.join('@' + b for b in BACKENDS)}")
+    return ["--arch", f"transformer_lm_kerple{wiki103}", "--bias-kernel", kernel, *SCORE_TRANSFORMS[transform],
+            *(["--attention-backend", backend] if backend else []), *size, *args.model_args, *extra, *positions]
+
+
+def vocabulary(args: argparse.Namespace) -> int:
+    """``--vocab``, else WikiText-103's with ``--wiki103`` and 8000 without."""
+    return args.vocab or (WIKITEXT_103_VOCAB if args.wiki103 else 8000)
 
 
 def build(name: str, args: argparse.Namespace, device: torch.device, extra: Sequence[str] = ()):
-    """The model ``name`` (see :func:`model_flags`), initialised from seed 0, on ``device``."""
+    """The model ``name`` (see :func:`model_flags`), initialised from seed 0, on ``device``, in half
+    precision with ``--fp16``."""
     torch.manual_seed(0)
-    return build_language_model(model_flags(name, args, extra), args.vocab).to(device)
+    model = build_language_model(model_flags(name, args, extra), vocabulary(args)).to(device)
+    return model.half() if args.fp16 else model
 
 
 def sync(device):
@@ -52,12 +77,23 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def training_loss(model, tokens):
+    """The language-modelling loss of ``tokens``: through the adaptive softmax, as fairseq's
+    ``adaptive_loss`` computes it (summed cross-entropy per cluster), where the model has one, else the
+    mean cross-entropy over the logits."""
+    output, _ = model(tokens)
+    adaptive_softmax = model.decoder.adaptive_softmax
+    if adaptive_softmax is None:
+        return torch.nn.functional.cross_entropy(output.view(-1, output.size(-1)).float(), tokens.view(-1))
+    logits, targets = adaptive_softmax(output, tokens.view(-1))
+    return sum(torch.nn.functional.cross_entropy(cluster, target, reduction="sum")
+               for cluster, target in zip(logits, targets) if target is not None)
+
+
 def train_step(model, tokens):
     model.train()
     model.zero_grad(set_to_none=True)
-    logits, _ = model(tokens)
-    loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)).float(), tokens.view(-1))
-    loss.backward()
+    training_loss(model, tokens).backward()
 
 
 @torch.no_grad()
@@ -66,16 +102,50 @@ def eval_forward(model, tokens):
     model(tokens)
 
 
+PHASES = {"train": train_step, "eval": eval_forward}
+
+
+@contextlib.contextmanager
+def backends_chosen():
+    """Counts the attention backends that the plugin's blocks are given while inside (what
+    :func:`~kerple_fairseq.attention.attend.choose_backend` answers): ``@flex`` is a preference, and a
+    block that FlexAttention does not serve falls back."""
+    chosen = collections.Counter()
+    choose = attend.choose_backend
+
+    def counted(*args, **kwargs):
+        backend = choose(*args, **kwargs)
+        chosen[backend] += 1
+        return backend
+    attend.choose_backend = counted
+    try:
+        yield chosen
+    finally:
+        attend.choose_backend = choose
+
+
+def backend_label(chosen: collections.Counter) -> str:
+    """``[flex]``, ``[sdpa]``, ``[flex 16, explicit 2]``; ``[fairseq]`` for stock attention."""
+    if not chosen:
+        return "[fairseq]"
+    if len(chosen) == 1:
+        return f"[{next(iter(chosen))}]"
+    return "[" + ", ".join(f"{backend} {count}" for backend, count in chosen.most_common()) + "]"
+
+
 def time_all(models, args, device):
-    """Training steps and evaluation forwards of every model at every length, in rotating rounds."""
+    """Training steps and evaluation forwards (the ``--phases``) of every model at every length, in
+    rotating rounds; ratios to the ``--baseline``."""
     rows = []
     for length in args.lengths:
         batch = max(1, args.batch_tokens // length)
-        tokens = torch.randint(4, args.vocab + 4, (batch, length), device=device)
-        for phase, step in (("train", train_step), ("eval", eval_forward)):
-            times = {name: [] for name in models}
+        tokens = torch.randint(4, vocabulary(args) + 4, (batch, length), device=device)
+        for phase in args.phases:
+            step = PHASES[phase]
+            times, backends = {name: [] for name in models}, {}
             for name, model in models.items():  # warm-up
-                step(model, tokens)
+                with backends_chosen() as backends[name]:
+                    step(model, tokens)
             names = list(models)
             for round_ in range(args.repeats):
                 for name in names[round_ % len(names):] + names[:round_ % len(names)]:
@@ -87,12 +157,13 @@ def time_all(models, args, device):
                     times[name].append(time.perf_counter() - start)
             for name in models:
                 seconds = statistics.median(times[name])
-                ratio = statistics.median(t / base for t, base in zip(times[name], times["none"]))
+                ratio = statistics.median(t / base for t, base in zip(times[name], times[args.baseline]))
                 rows.append({"phase": phase, "length": length, "model": name, "batch": batch,
                              "ms": 1000 * seconds, "tokens_per_s": batch * length / seconds, "ratio": ratio,
-                             "rounds_ms": [1000 * t for t in times[name]]})
-                print(f"{phase:<5} L={length:<6} {name:<14} {1000 * seconds:9.1f} ms  "
-                      f"{batch * length / seconds:9.0f} tok/s  x{ratio:.3f}", flush=True)
+                             "rounds_ms": [1000 * t for t in times[name]], "backends": dict(backends[name])})
+                print(f"{phase:<5} L={length:<6} {name:<20} {1000 * seconds:9.1f} ms  "
+                      f"{batch * length / seconds:9.0f} tok/s  x{ratio:.3f}  {backend_label(backends[name])}",
+                      flush=True)
     return rows
 
 
@@ -112,41 +183,63 @@ def reset_peak_rss():
 
 
 def measure_memory(name, length, args, device):
-    """One evaluation forward of one sequence; prints its peak memory in bytes as JSON."""
+    """One evaluation forward of one sequence on the CPU; prints its peak memory in bytes as JSON."""
     model = build(name, args, device).eval()
-    tokens = torch.randint(4, args.vocab + 4, (1, length), device=device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        eval_forward(model, tokens)
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        before = rss_bytes()
-        reset_peak_rss()
-        eval_forward(model, tokens)
-        peak = rss_bytes("VmHWM") - before
+    tokens = torch.randint(4, vocabulary(args) + 4, (1, length), device=device)
+    before = rss_bytes()
+    reset_peak_rss()
+    eval_forward(model, tokens)
+    peak = rss_bytes("VmHWM") - before
     print(json.dumps({"model": name, "length": length, "peak_bytes": peak}))
 
 
-def memory_all(args):
-    """Peak memory of one evaluation forward per model and length, each in a fresh child process."""
+def cuda_memory(model, length, args, device):
+    """Peak CUDA memory allocated by one evaluation forward of one sequence (after one untimed forward,
+    which compiles what it needs), and that forward's tokens per second."""
+    tokens = torch.randint(4, vocabulary(args) + 4, (1, length), device=device)
+    eval_forward(model, tokens)
+    sync(device)
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    eval_forward(model, tokens)
+    sync(device)
+    seconds = time.perf_counter() - start
+    return {"peak_bytes": torch.cuda.max_memory_allocated() - before, "tokens_per_s": length / seconds}
+
+
+def child_memory(name, length, args):
+    """Peak memory of one evaluation forward, measured in a fresh child process (:func:`measure_memory`)."""
+    cmd = [sys.executable, SCRIPTS / "benchmark.py", "--measure-memory", name, str(length),
+           "--layers", str(args.layers), "--width", str(args.width), "--heads", str(args.heads),
+           "--vocab", str(vocabulary(args)), "--cpu"] + (["--wiki103"] if args.wiki103 else []) + \
+        (["--fp16"] if args.fp16 else []) + (["--model-args", *args.model_args] if args.model_args else [])
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"failed ({out.stderr.strip().splitlines()[-1:]})")
+    return {"peak_bytes": json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]}
+
+
+def memory_all(args, models, device):
+    """Peak memory of one evaluation forward per model and length: on the CPU each in a fresh child
+    process (peak RSS), on CUDA with ``models`` in this one (peak allocation, and tokens/s)."""
     rows = []
     for length in args.memory_lengths:
         base = None
         for name in args.models:
-            cmd = [sys.executable, SCRIPTS / "benchmark.py", "--measure-memory", name, str(length),
-                   "--layers", str(args.layers), "--width", str(args.width), "--heads", str(args.heads),
-                   "--vocab", str(args.vocab)] + (["--cpu"] if args.cpu else []) + \
-                (["--model-args", *args.model_args] if args.model_args else [])
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode != 0:
-                print(f"memory L={length} {name}: failed ({out.stderr.strip().splitlines()[-1:]})", flush=True)
+            try:
+                measured = cuda_memory(models[name], length, args, device) if device.type == "cuda" \
+                    else child_memory(name, length, args)
+            except RuntimeError as e:  # CUDA's out of memory included
+                print(f"memory L={length} {name}: {str(e).splitlines()[0]}", flush=True)
                 continue
-            peak = json.loads(out.stdout.strip().splitlines()[-1])["peak_bytes"]
-            base = peak if name == "none" else base
+            peak = measured["peak_bytes"]
+            base = peak if name == args.baseline else base
             ratio = peak / base if base else float("nan")
-            rows.append({"length": length, "model": name, "peak_mib": peak / 2 ** 20, "ratio": ratio})
-            print(f"memory L={length:<6} {name:<14} {peak / 2 ** 20:9.1f} MiB  x{ratio:.3f}", flush=True)
+            speed = f"  {measured['tokens_per_s']:9.0f} tok/s" if "tokens_per_s" in measured else ""
+            rows.append({"length": length, "model": name, "peak_mib": peak / 2 ** 20, "ratio": ratio,
+                         **({"tokens_per_s": measured["tokens_per_s"]} if speed else {})})
+            print(f"memory L={length:<6} {name:<20} {peak / 2 ** 20:9.1f} MiB  x{ratio:.3f}{speed}", flush=True)
     return rows
 
 
@@ -171,7 +264,7 @@ def generation(args, device):
     longest = max(args.generate)
     for cache in (args.max_cache_window, 0):
         model = build("alibi", args, device, ["--max-cache-window", str(cache)] if cache else []).eval()
-        tokens = torch.randint(4, args.vocab + 4, (1, longest), device=device)
+        tokens = torch.randint(4, vocabulary(args) + 4, (1, longest), device=device)
         state, marks = {}, {}
         start = time.perf_counter()
         with torch.no_grad():
@@ -187,6 +280,23 @@ def generation(args, device):
     return rows
 
 
+def device_name(device: torch.device) -> str:
+    """``cuda (NVIDIA H100 80GB HBM3)``, or ``cpu (2 threads)``."""
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def describe(args: argparse.Namespace, device: torch.device) -> str:
+    size = "ALiBi's WikiText-103 model (transformer_lm_wiki103)" if args.wiki103 else \
+        f"{args.layers} layers, width {args.width}, {args.heads} heads"
+    baseline = {"none": "'none' (stock transformer_lm, causal mask only)",
+                "sinusoidal": "'sinusoidal' (stock transformer_lm)"}.get(args.baseline, repr(args.baseline))
+    return (f"device {device_name(device)}, torch {torch.__version__}; {size}, vocabulary {vocabulary(args)}, "
+            f"{'fp16' if args.fp16 else 'fp32'}, {args.batch_tokens} tokens per batch, median of {args.repeats}; "
+            f"ratios to {baseline}")
+
+
 def run(args: argparse.Namespace) -> None:
     """The benchmark with the command line's options ``args`` (or, with ``--measure-memory``, one
     child's memory measurement)."""
@@ -194,22 +304,23 @@ def run(args: argparse.Namespace) -> None:
     if args.measure_memory:
         measure_memory(args.measure_memory[0], int(args.measure_memory[1]), args, device)
         return
-    if "none" not in args.models:
-        args.models = ["none", *args.models]
-    print(f"device {device} ({torch.get_num_threads()} threads), torch {torch.__version__}; {args.layers} layers, "
-          f"width {args.width}, {args.heads} heads, vocabulary {args.vocab}, {args.batch_tokens} tokens per batch, "
-          f"median of {args.repeats}; ratios to 'none' (stock transformer_lm, causal mask only)", flush=True)
+    if args.baseline not in args.models:
+        args.models = [args.baseline, *args.models]
+    print(describe(args, device), flush=True)
     started = time.time()
     models = {name: build(name, args, device) for name in args.models}
     results = {"config": {k: v for k, v in vars(args).items() if k != "measure_memory"},
-               "device": str(device), "timing": time_all(models, args, device)}
+               "device": device_name(device), "timing": time_all(models, args, device)}
+    results["memory"] = memory_all(args, models, device)
     del models
-    results["memory"] = memory_all(args)
     results["largest_length"] = largest_fitting(results["memory"], args.memory_budget * 2 ** 30)
     for name, length in results["largest_length"].items():
         print(f"memory: {name:<14} fits up to L = {length} in {args.memory_budget:g} GiB "
               "(quadratic fit of the measured peaks; evaluation, one sequence)", flush=True)
     results["generation"] = generation(args, device) if args.generate else []
+    compiles, seconds = flex.compile_report()
+    results["flex_compiles"] = {"count": compiles, "seconds": seconds}
+    print(f"FlexAttention: {compiles} compiles, {seconds:.1f} s in the calls that compiled", flush=True)
     print(f"done in {time.time() - started:.0f} s", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -1,0 +1,153 @@
+"""The CUDA tier (``pytest -m cuda``; scripts/gpu-check.sh runs it where a GPU is): every backend that
+runs on CUDA against the float64 reference computed on the CPU, forwards and every parameter's
+gradient (FlexAttention's reach the kernels' parameters through captured tensors, with atomic adds:
+compared with tolerances), fp16 and bf16, decoding, and the known CUDA traps."""
+
+import pytest
+import torch
+
+from helpers import FLEX_METHODS, flex_method_model, random_tokens
+from kerple_fairseq.attention import flex
+from kerple_fairseq.attention.attend import attend
+from kerple_fairseq.attention.blocks import QueryBlock
+
+pytestmark = pytest.mark.cuda
+
+CUDA = torch.device("cuda")
+BACKENDS = ["flex", "sdpa", "explicit"]
+#: methods checked in half precision, at 4096 tokens and in decoding (every one in float32)
+FEW = ["alibi", "kerple_log", "kerple_bias_wht", "fire", "fox"]
+
+
+@pytest.fixture(autouse=True)
+def exact_float32():
+    """float32 matmuls in IEEE precision (no TF32), as on the CPU."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def loss_and_gradients(model, tokens, backend=None):
+    """Log-probabilities and every parameter's gradient of the summed next-token log-likelihood."""
+    if backend is not None:
+        model.decoder.setup.backend = backend
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens)[0]
+    lprobs = torch.log_softmax(logits.double() if logits.dtype == torch.float64 else logits.float(), dim=-1)
+    lprobs[:, :-1].gather(-1, tokens[:, 1:, None]).sum().backward()
+    return lprobs.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def reference(name, tokens, *flags):
+    """The float64 CPU model on the explicit path: its log-probabilities and gradients."""
+    model = flex_method_model(name, "--unfused-attention", *flags).double().train()
+    return model, loss_and_gradients(model, tokens)
+
+
+def compare(name, backend, length, dtype, *flags, tolerance):
+    flags = ("--attention-dropout", "0", *flags)  # FlexAttention has no attention dropout
+    tokens = random_tokens(batch=2, length=length, seed=3)
+    cpu, (expected, expected_grads) = reference(name, tokens, *flags)
+    model = flex_method_model(name, *flags).train().to(CUDA, dtype)
+    model.load_state_dict(cpu.state_dict())
+    calls = []
+    original = flex.attend
+    flex.attend = lambda *a: calls.append(1) or original(*a)
+    try:
+        got, grads = loss_and_gradients(model, tokens.to(CUDA), backend)
+    finally:
+        flex.attend = original
+    assert (len(calls) > 0) == (backend == "flex"), "the backend asked for was not the one used"
+    torch.testing.assert_close(got.double().cpu(), expected, rtol=0, atol=tolerance)
+    assert grads.keys() == expected_grads.keys()
+    scale = max(g.abs().max().item() for g in expected_grads.values())
+    for n, g in expected_grads.items():
+        assert torch.isfinite(grads[n]).all(), n
+        torch.testing.assert_close(grads[n].double().cpu(), g, rtol=0, atol=tolerance * scale, msg=n)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", FLEX_METHODS)
+def test_float32_forward_and_gradients(name, backend):
+    """333 tokens (not a multiple of FlexAttention's 128: its block mask has the exact length)."""
+    compare(name, backend, 333, torch.float32, "--attention-block-size", "0", tolerance=2e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", FEW)
+def test_blocks_of_a_long_sequence(name, backend):
+    compare(name, backend, 4096, torch.float32, "--attention-block-size", "1024", tolerance=5e-4)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float16, 3e-2), (torch.bfloat16, 2e-1)])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", FEW)
+def test_half_precision(name, backend, dtype, tolerance):
+    compare(name, backend, 512, dtype, "--attention-block-size", "0", tolerance=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_half_precision_is_finite_at_16k(backend, dtype):
+    model = flex_method_model("alibi").to(CUDA, dtype)
+    model.decoder.setup.backend = backend
+    with torch.no_grad():
+        assert torch.isfinite(model(random_tokens(batch=1, length=16384).to(CUDA))[0]).all()
+
+
+@pytest.mark.parametrize("name", FEW)
+def test_decoding_equals_full_scoring(name):
+    model = flex_method_model(name).to(CUDA)
+    tokens = random_tokens(batch=2, length=20).to(CUDA)
+    model.decoder.setup.backend = "flex"
+    state, steps = {}, []
+    with torch.no_grad():
+        full = torch.log_softmax(model(tokens)[0], dim=-1)
+        for end in range(1, tokens.size(1) + 1):
+            steps.append(torch.log_softmax(model(tokens[:, :end], incremental_state=state)[0], dim=-1))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", FEW)
+def test_padded_keys(name):
+    """Compiled FlexAttention with a padding mask (not served compiled on the CPU)."""
+    model = flex_method_model(name).to(CUDA)
+    tokens = random_tokens(batch=3, length=300)
+    for row, length in enumerate([300, 211, 77]):
+        tokens[row, length:] = model.decoder.padding_idx
+    tokens = tokens.to(CUDA)
+    out = {}
+    with torch.no_grad():
+        for backend in ("flex", "explicit"):
+            model.decoder.setup.backend = backend
+            out[backend] = torch.log_softmax(model(tokens)[0], dim=-1)[tokens.ne(model.decoder.padding_idx)]
+    torch.testing.assert_close(out["flex"], out["explicit"], rtol=0, atol=1e-4)
+
+
+def test_sdpa_with_a_mask_avoids_cudnn_nan_gradients():
+    """cuDNN's SDPA backend returns NaN query gradients with a mask when L % 128 == 64 and a row's
+    log-sum-exp is below about -88.7 (PyTorch issue 196678): T5 buckets all at -100 put every row there."""
+    length = 192
+    bias = flex_method_model("t5").decoder.setup.bias
+    with torch.no_grad():
+        for p in bias.parameters():
+            p.fill_(-100.0)
+    block = bias.for_block(QueryBlock(0, length, 0, length, 0), length, shared=False)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (0.1 * torch.randn(1, 4, length, 8, generator=g) for _ in range(3))
+    grads = {}
+    for device, backend in ((torch.device("cpu"), "explicit"), (CUDA, "sdpa")):
+        bias.to(device)
+        q_, k_, v_ = (t.to(device).requires_grad_() for t in (q, k, v))
+        out, _ = attend(q_, k_, v_, block, preference=backend)
+        out.sum().backward()
+        grads[backend] = q_.grad.cpu()
+    assert torch.isfinite(grads["sdpa"]).all()
+    torch.testing.assert_close(grads["sdpa"], grads["explicit"], rtol=0, atol=1e-5)
+
+
+def test_fire_gradients_reach_its_scalar_parameters_through_flex():
+    """FIRE's ``c`` and threshold are 0-d parameters, which FlexAttention cannot capture: they enter
+    as ``[1]`` views, and their gradients equal the reference's."""
+    compare("fire", "flex", 200, torch.float32, tolerance=2e-4)
