@@ -12,8 +12,9 @@ support for cuda devices"; ``FakeTensorMode`` installs a fake guard only in CUDA
 then aborts the process; with a fake guard compiled in, backward still asks for the current CUDA stream
 ("Cannot access accelerator device when none is available"). ``FakeTensorMode`` propagates ``meta`` as
 it would ``cuda``: an operator mixing it with a CPU tensor raises (0-dim CPU tensors excepted, as on
-CUDA). What only CUDA chooses is not reached: FlexAttention (attention's ``auto`` backend on CUDA),
-SDPA's kernel selection, fused or capturable optimisers.
+CUDA). What only CUDA chooses is not reached: FlexAttention's kernel (attention's ``auto`` backend on
+CUDA), SDPA's kernel selection, fused or capturable optimisers; what FlexAttention is given (its block
+mask, its score modifications evaluated on every cell) is checked here too.
 """
 
 import contextlib
@@ -37,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from helpers import VOCAB, tiny_model
+from kerple_fairseq.attention import flex
 from kerple_fairseq.kernels import kernel_names
 from kerple_fairseq.layer_biases.fire import FireBias
 
@@ -251,3 +253,31 @@ def test_the_watch_fails_every_offence_even_where_the_exception_is_caught(offenc
     with FakeTensorMode(), watch, contextlib.suppress(Exception):
         OFFENCES[offence](torch.ones(3, device=DEVICE))
     assert len(watch.failures) == 1 and watch.failures[0].startswith(f'test_gpu_ready.py: "{offence}": lambda')
+
+
+FLEX_METHODS = [["alibi"], ["kerple_bias_wht"], ["kerple_log", "--attn-window", "8"], ["fire"], ["fox"]]
+
+
+@pytest.mark.parametrize("flags", FLEX_METHODS, ids=method_id)
+def test_what_flex_attention_is_given_is_made_on_the_device_without_host_reads(flags):
+    """Each block's block mask (with padded keys) and score modification, the latter evaluated on
+    every cell as FlexAttention's kernel does, in training (autograd on)."""
+    model, mode = fake_model(flags)
+    attention = model.decoder.layers[0].self_attn
+    watch = DeviceWatch({})
+    with mode, watch:
+        x = torch.randn(LENGTH, BATCH, model.decoder.embed_dim, device=DEVICE)
+        q, k, v = attention._project(x)
+        state = None if attention.layer_bias is None else attention.layer_bias.key_state(x, None)
+        padding = torch.zeros(BATCH, LENGTH, dtype=torch.bool, device=DEVICE)
+        with model.decoder.attention_bias.forward_scope():
+            for bias in attention._block_biases(LENGTH, LENGTH, False, 0, state):
+                block = bias.block
+                mask = bias.block_mask(DEVICE, padding[:, block.key_start:block.key_end])
+                score_mod = flex.masked(bias.score_mod(q.dtype, DEVICE), mask.visible)
+                cells = [torch.arange(n, device=DEVICE).view(*[-1 if i == axis else 1 for i in range(4)])
+                         for axis, n in enumerate((BATCH, q.size(1), block.num_queries, block.num_keys))]
+                logits = score_mod(torch.zeros(BATCH, q.size(1), block.num_queries, block.num_keys,
+                                               device=DEVICE), *cells)
+                assert logits.shape == (BATCH, q.size(1), block.num_queries, block.num_keys)
+    assert watch.failures == []

@@ -5,9 +5,11 @@ per-distance values ``[heads, distances]`` that :class:`~kerple_fairseq.attentio
 computes once per forward, read inside the kernel at ``offset + t - s`` and added to the float32
 score; a weight kernel's ``W`` multiplies the score there too; a layer's own bias adds its term
 (:meth:`~kerple_fairseq.layer_biases.LayerBias.score_term`). Causality, any attention window and
-key padding form the block mask, built from block indices (no ``queries x keys`` tensor). On CUDA,
-gradients reach the captured tensors (and through them the kernel's parameters); on CPU the kernel
-has no backward, so it serves evaluation only.
+key padding decide which tiles of the block mask are skipped or taken whole (computed from tile
+indices: no ``queries x keys`` tensor), and give ``-inf`` inside the others through the score
+modification (PyTorch 2.13's CPU compiler miscompiles masks that capture tensors beside a score
+modification). On CUDA, gradients reach the captured tensors (and through them the kernel's
+parameters); on CPU the kernel has no backward, so it serves evaluation only.
 
 Score modifications are small pure functions of ``(score, batch, head, query, key)`` over captured
 tensors. Offsets are captured as one-element tensors and sizes are dynamic, so one compiled kernel
@@ -20,6 +22,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention, noop_mask
@@ -113,11 +116,11 @@ class Mask(NamedTuple):
 
 
 def block_mask(num_queries: int, num_keys: int, offset: int, window: int, device,
-               padding: Optional[Tensor] = None) -> "BlockMask":
-    """The block mask of a block of queries, computed per ``BLOCK x BLOCK`` tile from the tile's
-    extreme distances: a tile is skipped if no query sees any of its keys, and full (the mask not
-    evaluated) if every query sees every key. Exactly ``num_queries x num_keys``, as FlexAttention
-    requires."""
+               padding: Optional[Tensor] = None) -> Mask:
+    """The mask of a block of queries: its tiles, computed per ``BLOCK x BLOCK`` tile from the tile's
+    extreme distances (a tile is skipped if no query sees any of its keys, and whole if every query
+    sees every key; exactly ``num_queries x num_keys``, as FlexAttention requires), and
+    :func:`visible`."""
     query_tiles, key_tiles = -(-num_queries // BLOCK), -(-num_keys // BLOCK)
     first_query = torch.arange(query_tiles, device=device) * BLOCK
     last_query = (first_query + BLOCK - 1).clamp(max=num_queries - 1)
@@ -151,7 +154,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod, mask: "Mask") -
     """``softmax(score_mod(q k^T)) v`` over the visible keys of ``mask``; ``q`` ``[B, H, T, D]`` already scaled."""
     score_mod = masked(score_mod, mask.visible)
     mask = mask.tiles
-    if not COMPILED or _is_fake(q):  # FakeTensor propagation is what compiling would do
+    if not COMPILED or is_fake(q):  # FakeTensor propagation is what compiling would do
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=1.0)
     before = _graphs()
     start = time.perf_counter()
@@ -180,7 +183,3 @@ def _flex():
 def _graphs() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
-
-def _is_fake(t: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
-    return is_fake(t)

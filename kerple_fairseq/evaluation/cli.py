@@ -21,6 +21,7 @@ import torch
 from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
+from kerple_fairseq.attention import flex
 from kerple_fairseq.attention.rotary import ROTARY_SCALINGS
 from kerple_fairseq.errors import UsageError, first_line
 from kerple_fairseq.evaluation import spans as S
@@ -210,6 +211,9 @@ def evaluate(args, cfg) -> int:
                 positions.extend(position_wise_rows(length, scores))
             print(format_row(records[-1]), flush=True)
 
+    compiles, seconds = flex.compile_report()
+    if compiles:
+        print(f"FlexAttention: {compiles} compiles, {seconds:.1f} s", flush=True)
     if args.results_json:
         with open(args.results_json, "w") as f:
             json.dump(records, f, indent=1)
