@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from helpers import FLEX_METHODS, flex_method_model, random_tokens, tiny_model
 from kerple_fairseq.attention import flex
-from kerple_fairseq.attention.attend import choose_backend
+from kerple_fairseq.attention.attend import FLEX_MIN_KEYS_CPU, choose_backend
 from kerple_fairseq.attention.blocks import QueryBlock
 from kerple_fairseq.attention.layer_bias import LayerBlockBias
 from kerple_fairseq.errors import KernelConfigError
@@ -160,8 +160,9 @@ def test_block_mask_is_exact_and_skips_tiles():
 
 def test_where_flex_is_chosen():
     model = tiny_model("kerple_log")
-    bias = model.decoder.setup.bias.for_block(QueryBlock(0, 600, 0, 600, 0), 600, shared=False)
-    q = torch.zeros(1, 4, 600, 8)
+    n = FLEX_MIN_KEYS_CPU
+    bias = model.decoder.setup.bias.for_block(QueryBlock(0, n, 0, n, 0), n, shared=False)
+    q = torch.zeros(1, 4, n, 8)
 
     def backend(q, k, dropout=0.0, bias=bias, **options):
         settings = dict(dropout=dropout, key_padding_mask=None, need_probabilities=False)
@@ -169,11 +170,11 @@ def test_where_flex_is_chosen():
 
     with torch.no_grad():
         assert backend(q, q) == "flex", "CPU evaluation with enough keys"
-        assert backend(q[:, :, :100], q[:, :, :100]) == "sdpa", "too few keys on CPU to pay"
+        assert backend(q[:, :, :n - 1], q[:, :, :n - 1]) == "sdpa", "too few keys on CPU to pay"
         assert backend(q[:, :, :100], q[:, :, :100], preference="flex") == "flex"
         assert backend(q, q, preference="sdpa") == "sdpa"
         assert backend(q, q, preference="explicit") == "explicit"
-        padding = torch.zeros(1, 600, dtype=torch.bool)
+        padding = torch.zeros(1, n, dtype=torch.bool)
         assert backend(q, q, key_padding_mask=padding) == "explicit", "no compiled padding mask on CPU"
         flex.COMPILED = False
         try:

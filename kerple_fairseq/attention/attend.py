@@ -48,8 +48,10 @@ ScoreTransform = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 #: ``--attention-backend`` choices
 BACKENDS = ("auto", "flex", "sdpa", "explicit")
-#: fewest keys from which ``auto`` uses compiled FlexAttention on CPU
-FLEX_MIN_KEYS_CPU = 512
+#: fewest keys from which ``auto`` uses compiled FlexAttention on CPU: whole-model evaluation
+#: (scripts/benchmark.py, 2 cores) measured it even with sdpa at 2048 keys and 0.2-0.25x of ``none``'s
+#: time ahead at 8192
+FLEX_MIN_KEYS_CPU = 4096
 #: SDPA's backends when a mask is passed on CUDA: not cuDNN, whose query gradient is NaN with a mask
 #: when L % 128 == 64 and a row's log-sum-exp is below about -88.7 (PyTorch issue 196678, torch 2.11-2.13)
 MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
