@@ -5,16 +5,23 @@ In one process, builds the same tiny language model with each kernel, with ``non
 fairseq ``transformer_lm`` without positions: the causal mask alone, as fairseq builds it) and
 with ``sinusoidal`` (stock ``transformer_lm``), and times, at each length, training steps
 (forward + backward on a batch of ``--batch-tokens``) and evaluation forwards. Rounds visit
-every model in turn (starting one model later each round), and a model's ratio to ``none`` is
-the median over rounds of its time divided by ``none``'s in the same round, so slow drift on a
-shared machine cancels; times are medians over the ``--repeats`` rounds.
+every model in turn (starting one model later each round), and a model's ratio to the
+``--baseline`` (``none``) is the median over rounds of its time divided by the baseline's in the
+same round, so slow drift on a shared machine cancels; times are medians over the ``--repeats``
+rounds. ``KERNEL@BACKEND`` names the kernel's model with ``--attention-backend BACKEND`` (e.g.
+``alibi@flex``, ``alibi@sdpa``; without it, ``auto``); the run ends with the number of
+FlexAttention compiles and the time spent in the calls that compiled.
 
-Peak memory of one evaluation forward at each ``--memory-lengths`` is measured in a fresh
-child process per model (CPU: peak RSS above the RSS before the forward, the peak reset just
-before it; CUDA: max allocated above the allocation before it).
+Peak memory of one evaluation forward at each ``--memory-lengths``: on the CPU in a fresh child
+process per model (peak RSS above the RSS before the forward, the peak reset just before it); on
+CUDA in this process, after one untimed forward (max allocated above the allocation before it,
+and that forward's tokens/s).
 
     python scripts/benchmark.py            # the full tables (about 15 minutes on 2 CPU cores)
     python scripts/benchmark.py --quick    # a smaller table (under 2 minutes)
+    # KERPLE's Table 4 setting: the 247M model in fp16 against stock sinusoidal positions (a GPU)
+    python scripts/benchmark.py --wiki103 --fp16 --baseline sinusoidal --batch-tokens 9216 \
+        --models alibi kerple_log kerple_power t5 --lengths 512 2048 --memory-lengths 8192 16384 --generate
 """
 
 import argparse
@@ -23,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kerple_fairseq.experiments.benchmark import DEFAULT_MODELS, run  # noqa: E402
+from kerple_fairseq.experiments.benchmark import DEFAULT_MODELS, PHASES, WIKITEXT_103_VOCAB, run  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -32,8 +39,13 @@ def parse_args(argv=None):
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--models", nargs="+", default=DEFAULT_MODELS,
                    help="none, sinusoidal and any --bias-kernel name, which +dape, +dape-conv or +cope follows for "
-                   "DAPE v1 or v2 or CoPE over it, e.g. alibi+dape, none+cope (default: %(default)s)")
+                   "DAPE v1 or v2 or CoPE over it, e.g. alibi+dape, none+cope; then optionally @BACKEND for "
+                   "--attention-backend BACKEND, e.g. alibi@flex, alibi@sdpa (default: %(default)s)")
+    p.add_argument("--baseline", default="none", help="the model the ratios divide by (added to --models if "
+                   "missing; default: none)")
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048], help="sequence lengths timed")
+    p.add_argument("--phases", nargs="+", choices=list(PHASES), default=list(PHASES),
+                   help="what is timed at each length: training steps, evaluation forwards (default: both)")
     p.add_argument("--batch-tokens", type=int, default=4096, help="tokens per batch (batch = tokens / length)")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per model and length (median reported)")
     p.add_argument("--memory-lengths", type=int, nargs="*", default=[2048, 4096, 8192],
@@ -47,7 +59,12 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--width", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=8000)
+    p.add_argument("--vocab", type=int, default=None,
+                   help=f"vocabulary size (default: 8000; with --wiki103, WikiText-103's {WIKITEXT_103_VOCAB})")
+    p.add_argument("--wiki103", action="store_true",
+                   help="ALiBi's WikiText-103 model (transformer_lm_wiki103: 16 layers, width 1024, 8 heads, adaptive "
+                   "input and softmax, ~247M parameters) instead of --layers, --width, --heads")
+    p.add_argument("--fp16", action="store_true", help="models in half precision (as fairseq's --fp16 runs them)")
     p.add_argument("--model-args", nargs=argparse.REMAINDER, default=[],
                    help="more model options for every plugin model, e.g. --attn-window 128 (last)")
     p.add_argument("--quick", action="store_true",

@@ -1,5 +1,7 @@
 """scripts/benchmark.py --quick: every model, length and phase timed against `none` in one run,
-and memory measured per model (the figures themselves are for the README, not asserted)."""
+and memory measured per model (the figures themselves are for the README, not asserted); model names
+(KERNEL+TRANSFORM@BACKEND, the --wiki103 architectures), the adaptive softmax's training loss, and the
+backend each model ran on with FlexAttention's compiles."""
 
 import json
 import statistics
@@ -38,12 +40,19 @@ def test_quick_benchmark_reports_ratios_to_none(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in generation)
 
 
-def test_models_name_a_kernel_and_optionally_dape_or_cope_over_it():
+def tiny_args(**overrides):
+    """The benchmark's options for 1-layer models of width 32 over 50 words."""
     import argparse
 
+    args = dict(layers=1, width=32, heads=4, lengths=[128], memory_lengths=[], model_args=[], vocab=50,
+                wiki103=False, fp16=False)
+    return argparse.Namespace(**{**args, **overrides})
+
+
+def test_models_name_a_kernel_and_optionally_dape_or_cope_over_it():
     from kerple_fairseq.experiments.benchmark import build, model_flags
 
-    args = argparse.Namespace(layers=1, width=32, heads=4, lengths=[128], memory_lengths=[], model_args=[], vocab=50)
+    args = tiny_args()
     flags = model_flags("alibi+dape", args)
     assert flags[:6] == ["--arch", "transformer_lm_kerple", "--bias-kernel", "alibi", "--dape", "mlp"]
     assert model_flags("fire+dape-conv", args)[3:6] == ["fire", "--dape", "conv"]
@@ -53,3 +62,65 @@ def test_models_name_a_kernel_and_optionally_dape_or_cope_over_it():
     assert model.decoder.layers[0].self_attn.score_transform is not None
     with pytest.raises(ValueError, match="unknown model 'alibi\\+rope'"):
         model_flags("alibi+rope", args)
+
+
+def test_model_at_backend_names_its_attention_backend():
+    from kerple_fairseq.experiments.benchmark import model_flags
+
+    args = tiny_args()
+    flags = model_flags("alibi@flex", args)
+    assert flags[:4] == ["--arch", "transformer_lm_kerple", "--bias-kernel", "alibi"]
+    assert flags[flags.index("--attention-backend") + 1] == "flex"
+    assert model_flags("kerple_log+dape@explicit", args)[3:8] == ["kerple_log", "--dape", "mlp", "--attention-backend",
+                                                                   "explicit"]
+    assert "--attention-backend" not in model_flags("alibi", args)
+    with pytest.raises(ValueError, match="unknown attention backend @fast"):
+        model_flags("alibi@fast", args)
+    with pytest.raises(ValueError, match="stock fairseq"):
+        model_flags("none@flex", args)
+
+
+def test_wiki103_models_are_alibis_wikitext_103_architectures():
+    from kerple_fairseq.experiments.benchmark import model_flags
+
+    args = tiny_args(wiki103=True)
+    assert model_flags("sinusoidal", args)[:2] == ["--arch", "transformer_lm_wiki103"]
+    assert model_flags("none", args)[:3] == ["--arch", "transformer_lm_wiki103", "--no-token-positional-embeddings"]
+    flags = model_flags("t5@sdpa", args)
+    assert flags[:4] == ["--arch", "transformer_lm_kerple_wiki103", "--bias-kernel", "t5"]
+    assert "--decoder-layers" not in flags, "the architecture's own size"
+
+
+def test_training_loss_through_the_adaptive_softmax_is_fairseqs_adaptive_loss():
+    import torch
+    from fairseq.criterions.adaptive_loss import AdaptiveLoss
+
+    from kerple_fairseq.experiments.benchmark import build, training_loss
+    from kerple_fairseq.experiments.language_models import DictionaryTask
+
+    args = tiny_args(model_args=["--adaptive-softmax-cutoff", "20,40", "--dropout", "0"])
+    model = build("kerple_log", args, torch.device("cpu"))
+    assert model.decoder.adaptive_softmax is not None
+    # adaptive_loss ignores a tail cluster's target equal to the padding index (1): words 21 and 41 here
+    words = torch.tensor([w for w in range(4, 54) if w not in (21, 41)])
+    tokens = words[torch.randint(len(words), (2, 32))]
+    sample = {"net_input": {"src_tokens": tokens}, "target": tokens, "ntokens": tokens.numel()}
+    expected, _, _ = AdaptiveLoss(DictionaryTask(50), sentence_avg=False)(model, sample)
+    assert training_loss(model, tokens).item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_models_at_flex_and_sdpa_report_the_backend_that_ran_and_flex_compiles(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run([sys.executable, REPO / "scripts" / "benchmark.py", "--models", "alibi@flex", "alibi@sdpa",
+                "--lengths", "128", "--phases", "eval", "--repeats", "1", "--memory-lengths", "--generate",
+                "--layers", "1", "--width", "32", "--heads", "2", "--vocab", "100", "--cpu", "--json", out])
+    results = json.loads(out.read_text())
+    rows = {r["model"]: r for r in results["timing"]}
+    assert list(rows) == ["none", "alibi@flex", "alibi@sdpa"] and {r["phase"] for r in rows.values()} == {"eval"}
+    assert rows["alibi@flex"]["backends"] == {"flex": 1} and rows["alibi@sdpa"]["backends"] == {"sdpa": 1}
+    assert rows["none"]["backends"] == {}
+    assert "alibi@flex" in proc.stdout and "[flex]" in proc.stdout and "[fairseq]" in proc.stdout
+    compiles = results["flex_compiles"]
+    assert compiles["count"] >= 1 and compiles["seconds"] > 0
+    assert f"FlexAttention: {compiles['count']} compiles" in proc.stdout

@@ -1,0 +1,208 @@
+"""scripts/gpu-check.sh and its bundle, without a GPU: the dry run prepares the bundle (from PyPI) and
+checks it, and every command it prints is one its program accepts; installing refuses a bundle
+altered or naming the machine's PyTorch, before pip installs anything; the training step's summary
+reads fairseq's JSON log."""
+
+import importlib.util
+import json
+import shlex
+import sys
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run
+from kerple_fairseq.experiments import gpu_bundle, gpu_check
+
+# a fairseq-train --log-format json log of the training step's kind (a CPU fp16 run of kerple_log),
+# shortened, with an overflow as fairseq logs it
+TRAINING_LOG = """\
+2026-11-24 23:42:10 | INFO | fairseq_cli.train | Start iterating over samples
+{records}
+2026-11-24 23:43:16 | INFO | fairseq.trainer | NOTE: gradient overflow detected, ignoring gradient, setting loss scale to: 64.0
+2026-11-24 23:44:20 | INFO | fairseq_cli.train | Stopping training due to num_updates: 12 >= max_update: 12
+2026-11-24 23:46:14 | INFO | valid | {{"epoch": 1, "valid_loss": "13.401", "valid_ppl": "10815.2", "valid_num_updates": "12"}}
+2026-11-24 23:46:14 | INFO | train | {{"epoch": 1, "train_loss": "14.868", "train_num_updates": "12"}}
+"""
+RECORD = ('2026-11-24 23:42:31 | INFO | train_inner | {{"epoch": 1, "update": 0.008, "loss": "{loss}", '
+          '"num_updates": "{updates}", "lr": "0.0012", "gnorm": "0.706", "loss_scale": "{scale}", '
+          '"kernel/r1/h1": "0.5166", "kernel/r2/h1": "0.9922", "wall": "22"}}')
+
+
+def training_log(losses, scales):
+    records = "\n".join(RECORD.format(loss=loss, updates=2 * (i + 1), scale=scale)
+                        for i, (loss, scale) in enumerate(zip(losses, scales)))
+    return TRAINING_LOG.format(records=records)
+
+
+def test_training_summary_reads_losses_scales_overflows_and_kernel_parameters():
+    summary = gpu_check.summarize_training(training_log([15.733, 15.629, 15.267, 14.636, 14.2, 13.744],
+                                                        [128, 128, 64, 64, 64, 64]))
+    assert summary["updates"] == 12 and summary["losses"][-1] == 13.744 and summary["valid_losses"] == [13.401]
+    assert summary["loss_scales"] == [128, 128, 64, 64, 64, 64] and summary["overflows"] == 1
+    assert summary["kernel"] == {"kernel/r1/h1": 0.5166, "kernel/r2/h1": 0.9922}
+    assert summary["sound"]
+    line = gpu_check.training_line("kerple_log", summary)
+    assert line.startswith("kerple_log: sound: loss 15.73 -> 13.74") and "1 overflows" in line and "r1/h1 0.517" in line
+
+
+def test_training_summary_flags_a_flat_or_diverging_run():
+    flat = gpu_check.summarize_training(training_log([15.7, 15.6, 15.7, 15.6, 15.5, 15.6], [128] * 6))
+    nan = gpu_check.summarize_training(training_log([15.7, 15.2, 14.7, 14.0, 13.1, "nan"], [128] * 6))
+    assert not flat["sound"] and not nan["sound"]
+    assert gpu_check.training_line("alibi", nan).startswith("alibi: CHECK")
+    assert gpu_check.summarize_training("fairseq-train: error: unrecognized arguments")["updates"] == 0
+
+
+def pure_wheel(folder: Path, name: str, version: str) -> Path:
+    """A minimal valid wheel of an empty distribution."""
+    stem = f"{name.replace('-', '_')}-{version}"
+    path = folder / f"{stem}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{stem}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        z.writestr(f"{stem}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                   "Tag: py3-none-any\n")
+        z.writestr(f"{stem}.dist-info/RECORD", "")
+    return path
+
+
+def fake_bundle(bundle: Path, wheels):
+    """A bundle of ``wheels`` (name, version) and an empty sample, with its manifest."""
+    (bundle / "wheels").mkdir(parents=True)
+    (bundle / gpu_bundle.SAMPLE).mkdir()
+    packages = []
+    for name, version in wheels:
+        path = pure_wheel(bundle / "wheels", name, version)
+        packages.append({"name": name, "version": version, "form": "wheel",
+                         "file": f"wheels/{path.name}", "sha256": gpu_bundle.sha256(path)})
+    sample = {}
+    for name in gpu_bundle.SAMPLE_FILES:
+        (bundle / gpu_bundle.SAMPLE / name).write_text("")
+        sample[name] = gpu_bundle.sha256(bundle / gpu_bundle.SAMPLE / name)
+    (bundle / gpu_bundle.MANIFEST).write_text(json.dumps({"packages": packages, "sample": sample}))
+    return bundle
+
+
+def test_installing_refuses_a_bundle_altered_or_naming_the_machines_pytorch(tmp_path):
+    bundle = fake_bundle(tmp_path / "ok", [("kerple-test-pkg", "1.0")])
+    manifest = gpu_bundle.verify(bundle)
+    plan = gpu_bundle.pip_plan(sys.executable, ["--no-index", "--no-deps", "--ignore-installed",
+                                                *gpu_bundle.files(bundle, manifest, ("wheel",))])
+    assert plan == {"kerple-test-pkg": "1.0"}
+    gpu_bundle.check_plan(plan, manifest, ("wheel",))
+
+    with pytest.raises(gpu_bundle.BundleError, match="pip would install"):
+        gpu_bundle.check_plan({"kerple-test-pkg": "2.0"}, manifest, ("wheel",))
+    with pytest.raises(gpu_bundle.BundleError, match="refusing to install nvidia-cublas, torch"):
+        gpu_bundle.check_plan({"kerple-test-pkg": "1.0", "torch": "2.13.0", "nvidia-cublas": "13"}, manifest,
+                              ("wheel",))
+
+    pure_wheel(bundle / "wheels", "torch", "9.9")  # a file the manifest does not name
+    with pytest.raises(gpu_bundle.BundleError, match="not in its manifest: wheels/torch-9.9-py3-none-any.whl"):
+        gpu_bundle.verify(bundle)
+    with pytest.raises(gpu_bundle.BundleError, match="refusing to install triton"):
+        gpu_bundle.verify(fake_bundle(tmp_path / "triton", [("triton", "3.6.0")]))
+    altered = fake_bundle(tmp_path / "altered", [("kerple-test-pkg", "1.0")])
+    (altered / gpu_bundle.SAMPLE / "wiki.valid.tokens").write_text("changed")
+    with pytest.raises(gpu_bundle.BundleError, match="differs from the one the manifest names"):
+        gpu_bundle.verify(altered)
+    with pytest.raises(gpu_bundle.BundleError, match="no complete bundle"):
+        gpu_bundle.verify(tmp_path / "absent")
+
+
+def test_gpu_check_stops_at_a_refused_bundle_before_installing_anything(tmp_path, monkeypatch):
+    bundle = fake_bundle(tmp_path / "bundle", [("kerple-test-pkg", "1.0")])
+    pure_wheel(bundle / "wheels", "torch", "9.9")
+    monkeypatch.setattr(gpu_check, "gpu_name", lambda: "a GPU")
+    pip = []
+    monkeypatch.setattr(gpu_bundle.subprocess, "run", lambda *args, **kwargs: pip.append(args))
+    paths = gpu_check.Paths(repo=REPO, bundle=bundle, results=tmp_path / "results", work=tmp_path / "work")
+    assert gpu_check.check(paths, dry_run=False) == 3
+    assert pip == [], "nothing ran"
+    report = json.loads((tmp_path / "results" / "gpu-check.json").read_text())
+    assert report["steps"] == {"install": {"status": "refused", "seconds": pytest.approx(0, abs=5)}}
+    assert "not in its manifest: wheels/torch-9.9" in (tmp_path / "results" / "gpu-check.log").read_text()
+
+
+def printed_commands(log: str):
+    """The command lines the dry run printed (``$ ...``), by program (the script's or module's name)."""
+    commands = {}
+    for line in log.splitlines():
+        if line.startswith("$ "):
+            argv = shlex.split(line[2:])
+            program = argv[2] if argv[1] == "-m" else Path(argv[1]).name
+            commands.setdefault(program, []).append(argv)
+    return commands
+
+
+def script_module(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_dry_run_prepares_the_bundle_and_prints_commands_their_programs_accept(tmp_path):
+    from fairseq import options
+
+    from kerple_fairseq.analysis.cli import build_parser as analysis_parser
+    from kerple_fairseq.evaluation.cli import build_parser as eval_parser
+    from kerple_fairseq.experiments.benchmark import model_flags
+
+    bundle, results = tmp_path / "bundle", tmp_path / "results"
+    proc = run(["bash", REPO / "scripts" / "gpu-check.sh", "--dry-run", "--bundle", bundle, "--results", results,
+                "--work", tmp_path / "work"])
+    log = (results / "gpu-check.log").read_text()
+    assert log.strip() == proc.stdout.strip()
+    report = json.loads((results / "gpu-check.json").read_text())
+    assert report["gpu"] == "no GPU: dry run"
+    assert {name: step["status"] for name, step in report["steps"].items()} == {
+        "install": "printed", "cuda-tests": "ok", "data": "ok", "train": "ok", "eval": "printed", "speed": "printed"}
+
+    # the bundle: every pin, for the GPU machine's Python, nothing it lacks, under the transfer limit
+    manifest = gpu_bundle.verify(bundle)
+    assert [(p["name"], p["version"]) for p in manifest["packages"]] == [(p.name, p.version) for p in gpu_bundle.PINS]
+    assert (bundle / "sdist" / "fairseq_fixed-0.12.3.1.tar.gz").is_file()
+    assert sorted(p.name for p in (bundle / "wheels").iterdir()) == sorted(
+        Path(p["file"]).name for p in manifest["packages"] if p["form"] != "sdist")
+    assert all("-cp312-cp312-manylinux" in p.name or p.name.endswith("-py3-none-any.whl")
+               for p in (bundle / "wheels").iterdir())
+    assert gpu_bundle.unbundled_requirements(bundle, manifest, metadata.requires("kerple-fairseq")) == []
+    assert sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file()) < 40 * 2 ** 20
+    assert "pip takes every wheel for Python 3.12" in log
+
+    commands = printed_commands(log)
+    # install: from the bundle's files only, never an index or dependencies
+    installs = commands["pip"]
+    assert len(installs) == 3 and all("--no-index" in c and "--no-deps" in c for c in installs)
+    named = {a for c in installs for a in c if a.startswith(str(bundle))}
+    assert named == {str(bundle / p["file"]) for p in manifest["packages"]}
+    # cuda tests: the marker is registered, and the dry run collected the tier
+    (pytest_cmd,) = commands["pytest"]
+    assert pytest_cmd[pytest_cmd.index("-m", 3) + 1] == "cuda"
+    assert "@pytest.mark.cuda:" in run([pytest_cmd[0], "-m", "pytest", "--markers", REPO / "tests"]).stdout
+    # training: the script ran its own dry run; fairseq-train takes the command lines it printed
+    assert [c[2] for c in commands["train_wikitext_103.py"]] == list(gpu_check.TRAINED)
+    trains = {line[1:line.index("]")]: shlex.split(line.split("] ", 1)[1]) for line in log.splitlines()
+              if line.startswith("[") and "fairseq-train " in line}
+    assert sorted(trains) == sorted(gpu_check.TRAINED)
+    for model, argv in trains.items():
+        args = options.parse_args_and_arch(options.get_training_parser(), argv[1:])
+        assert args.arch == f"transformer_lm_{'alibi' if model == 'alibi' else 'kerple'}_wiki103"
+        assert (args.max_update, args.update_freq, args.fp16) == (200, [1], True)
+        assert args.adaptive_input_cutoff == args.adaptive_softmax_cutoff == "20000,30000"
+    # evaluation and kernels: kerple-eval-lm's and kerple-analyze's parsers take them
+    for argv in commands["eval_lm.py"]:
+        args = options.parse_args_and_arch(eval_parser(), argv[2:])
+        assert args.fp16 and args.protocol == "all" and args.lengths == [512, 1024, 2048, 3072]
+    (analyze,) = commands["analyze.py"]
+    assert analysis_parser().parse_args(analyze[2:]).labels == list(gpu_check.TRAINED)
+    # speed: benchmark.py takes its options, and builds every model it names
+    (benchmark,) = commands["benchmark.py"]
+    args = script_module("benchmark").parse_args(benchmark[2:])
+    assert args.wiki103 and args.fp16 and args.baseline == "sinusoidal" and args.memory_lengths == [8192, 16384]
+    for name in [args.baseline, *args.models]:
+        model_flags(name, args)
