@@ -203,3 +203,14 @@ def test_unfused_attention_is_the_explicit_backend():
     with pytest.raises(KernelConfigError, match="--unfused-attention is --attention-backend explicit"):
         tiny_model("alibi", "--unfused-attention", "--attention-backend", "flex")
 
+
+
+def test_kernels_compile_one_after_another(compiled, flex_calls):
+    """One compiled kernel serves ALiBi and then T5, whose per-distance values come strided from its
+    bucket table (a captured tensor's strides are part of the compiled kernel)."""
+    for name in ("alibi", "t5"):
+        model = flex_method_model(name, "--attention-block-size", "0")
+        tokens = random_tokens(batch=2, length=520, seed=4)
+        torch.testing.assert_close(log_probs(model, tokens, "flex"), log_probs(model, tokens, "explicit"),
+                                   **TOLERANCE)
+    assert len(flex_calls) == 4

@@ -60,13 +60,16 @@ def distance_of(offset: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
 
 
 def distance_bias(values: Tensor, offset: Tensor) -> ScoreMod:
-    """``score + B_h(d)``, ``values`` ``[heads, distances]``."""
+    """``score + B_h(d)``, ``values`` ``[heads, distances]`` (made contiguous: a captured tensor's
+    strides are part of the compiled kernel, and PyTorch 2.13's CPU compiler fails on some)."""
+    values = values.contiguous()
     distance = distance_of(offset)
     return lambda score, b, h, query, key: score + values[h, distance(query, key)]
 
 
 def weighted_distance_bias(values: Tensor, weights: Tensor, offset: Tensor) -> ScoreMod:
     """``score * W_h(d) + B_h(d)``."""
+    values, weights = values.contiguous(), weights.contiguous()
     distance = distance_of(offset)
 
     def score_mod(score, b, h, query, key):

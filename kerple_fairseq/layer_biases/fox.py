@@ -51,7 +51,7 @@ class ForgetGates(LayerBias):
     has_score_term = True
 
     def score_term(self, block: QueryBlock, first_position: int, state: Optional[Tensor]):
-        keys = state[:, :, block.key_start:block.key_end]
+        keys = state[:, :, block.key_start:block.key_end].contiguous()
         offset = torch.full((1,), block.offset, dtype=torch.int64, device=state.device)
         # query t of the block is key offset + t
         return lambda b, h, query, key: keys[b, h, query + offset[0]] - keys[b, h, key]
