@@ -4,7 +4,6 @@ models trained on it."""
 import json
 import logging
 import math
-import os
 import re
 import subprocess
 import sys
@@ -14,14 +13,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# the WikiText-103 sample (the first 2.5 MiB of training text, the complete validation and test
-# splits): $KERPLE_WIKITEXT_DIR, else ../shared's, else the one the main job downloads
-SAMPLE_PLACES = [Path(os.environ["KERPLE_WIKITEXT_DIR"])] if os.environ.get("KERPLE_WIKITEXT_DIR") else [
-    REPO.parent / "shared" / "data" / "wikitext-103-sample", REPO / "downloads" / "wikitext-103-sample"]
-SAMPLE = next((p for p in SAMPLE_PLACES if (p / "wiki.valid.tokens").is_file()), SAMPLE_PLACES[0])
 BIN = Path(sys.executable).parent
 
 sys.path[:0] = [str(Path(__file__).parent), str(REPO)]  # helpers; this checkout's kerple_fairseq
+
+from kerple_fairseq.experiments.paths import sample_places  # noqa: E402
+
+# the WikiText-103 sample: the first of its places that holds it
+SAMPLE_PLACES = sample_places(REPO)
+SAMPLE = next((p for p in SAMPLE_PLACES if (p / "wiki.valid.tokens").is_file()), SAMPLE_PLACES[0])
 
 from kerple_fairseq.experiments.language_models import model_size_flags  # noqa: E402
 from kerple_fairseq.experiments.recipe import cpu_training_flags  # noqa: E402

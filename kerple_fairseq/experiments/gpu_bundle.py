@@ -27,6 +27,8 @@ import zipfile
 from pathlib import Path
 from typing import Dict, Iterable, List, NamedTuple, Sequence
 
+from kerple_fairseq.experiments.paths import sample_places
+
 TARGET_PYTHON = "3.12"
 #: the wheel tags pip accepts for the machine (manylinux x86-64; pure-Python wheels match any)
 TARGET_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
@@ -82,11 +84,8 @@ def protected(name: str) -> bool:
 
 
 def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 # ------------------------------------------------------------------ preparing (with PyPI)
@@ -115,10 +114,9 @@ def fetch(pin: Pin, folder: Path, python: str = sys.executable) -> Path:
 
 
 def find_sample(repo: Path) -> Path:
-    """The WikiText-103 sample: ``$KERPLE_WIKITEXT_DIR``, else ``../shared/data/wikitext-103-sample``
-    beside the checkout, else ``downloads/wikitext-103-sample`` (the small comparison's download)."""
-    places = [Path(os.environ["KERPLE_WIKITEXT_DIR"])] if os.environ.get("KERPLE_WIKITEXT_DIR") else [
-        repo.parent / "shared" / "data" / SAMPLE, repo / "downloads" / SAMPLE]
+    """The WikiText-103 sample, in the first of :func:`~kerple_fairseq.experiments.paths.sample_places`
+    that holds it."""
+    places = sample_places(repo)
     for place in places:
         if all((place / name).is_file() for name in SAMPLE_FILES):
             return place

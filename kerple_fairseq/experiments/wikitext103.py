@@ -58,11 +58,8 @@ def require_data_bin(path: Path) -> None:
 
 
 def md5sum(path: Path) -> str:
-    digest = hashlib.md5()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "md5").hexdigest()
 
 
 def download(url: str, dest: Path, md5: str, log=print, offline: str = OFFLINE_SOURCES) -> None:
