@@ -38,15 +38,37 @@ def _in_chain(error: Optional[BaseException], found):
     return None
 
 
+# what a collective reports when another process of the run died or stopped answering (gloo, NCCL)
+_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Timed out waiting|timed out|[Tt]imeout|"
+                        r"NCCL communicator was aborted|Broken pipe")
+
+
+def lost_peer(error: BaseException) -> Optional[str]:
+    """The first line of ``error`` if it is a collective's report of a lost process."""
+    import torch.distributed
+
+    distributed = isinstance(error, getattr(torch.distributed, "DistError", ())) or "gloo" in str(error) or \
+        "NCCL" in str(error) or "c10d" in str(error)
+    if not (distributed and _LOST_PEER.search(str(error))):
+        return None
+    line = re.sub(r"^\[[^\]]*\]\s*", "", first_line(error))  # gloo's [source file:line]
+    return line.split(". ")[0].rstrip(".")
+
+
 def _one_line_excepthook(previous):
     def hook(exc_type, exc, tb):
         from kerple_fairseq.evaluation.checkpoint_file import refusal, refused_object
 
         refused = _in_chain(exc, refused_object)  # by fairseq's own load (--restore-file, checkpoint_last.pt)
+        lost = _in_chain(exc, lost_peer)
         if issubclass(exc_type, KernelConfigError):
             print(f"kerple_fairseq: error: {exc}", file=sys.stderr)
         elif refused:
             print(f"kerple_fairseq: error: refused to read a checkpoint: {refusal(refused)}", file=sys.stderr)
+        elif lost:
+            print(f"kerple_fairseq: error: another process of this training run died or stopped answering "
+                  f"({lost}); stopping. The same command resumes from checkpoint_last.pt in --save-dir",
+                  file=sys.stderr)
         else:
             previous(exc_type, exc, tb)
 

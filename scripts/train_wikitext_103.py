@@ -3,7 +3,8 @@
 
 Uses every GPU of the machine in fp16, with ``--update-freq`` chosen so that any GPU count
 (and any number of nodes) gives the recipe's 8 GPUs x 9216 tokens per update. ``--tiny`` is a
-CPU smoke preset of the same pipeline, and ``--cpu-processes N`` runs N gloo processes on CPU.
+CPU smoke preset of the same pipeline, and ``--cpu-processes N`` runs N gloo processes on CPU
+(on each of ``--nodes`` machines). ``--torchrun`` starts the processes through torchrun.
 Options this script does not know are passed to fairseq-train unchanged (and override its own).
 """
 
@@ -38,7 +39,11 @@ def parse_args(argv=None):
     p.add_argument("--nodes", type=int, default=1, help="number of machines (each runs this script)")
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nodes-1")
     p.add_argument("--master", default=None, metavar="HOST:PORT",
-                   help="address of node 0 for --nodes > 1 (fairseq's --distributed-init-method tcp://HOST:PORT)")
+                   help="address of node 0 for --nodes > 1 (fairseq's --distributed-init-method tcp://HOST:PORT; "
+                   "default on one machine: a free local port)")
+    p.add_argument("--torchrun", action="store_true",
+                   help="start this machine's processes through torchrun (--nnodes, --node-rank, --master-addr and "
+                   "--master-port from the options above) instead of fairseq's spawning or one process per rank")
     p.add_argument("--dry-run", action="store_true",
                    help="print the fairseq-train command line(s) instead of running them (e.g. for torchrun)")
     return p.parse_known_args(argv)
@@ -61,8 +66,8 @@ def main(argv=None):
         fail("--nodes > 1 needs --master HOST:PORT (node 0's address, the same on every node)")
     gpus = 0 if (args.tiny or args.cpu_processes) else recipe.gpu_count()
     local_workers = gpus or max(1, args.cpu_processes)
-    if args.nodes > 1 and not gpus:
-        fail("multi-node training needs GPUs; on CPU use --cpu-processes N on one machine")
+    if not 0 <= args.node_rank < args.nodes:
+        fail(f"--node-rank {args.node_rank} is not one of the {args.nodes} machines' 0..{args.nodes - 1}")
     world = local_workers * args.nodes
     freq = recipe.update_freq(preset.reference_workers, world)
     tokens = preset.max_tokens * freq * world
@@ -76,13 +81,23 @@ def main(argv=None):
         print(f"{PROG}: warning: no GPU: the full recipe on CPU takes months; --tiny is the CPU smoke preset",
               file=sys.stderr)
     cmd = recipe.base_command(args.data, args.model, args.train_length, preset, freq, save_dir)
-    commands = [recipe.gpu_command(cmd, gpus, args.nodes, args.node_rank, args.master, preset.fp16)] if gpus \
-        else recipe.cpu_commands(cmd, local_workers, preset.fp16)
+    if args.torchrun:
+        commands = [recipe.torchrun_command(cmd, local_workers, args.nodes, args.node_rank, args.master, bool(gpus),
+                                            preset.fp16)]
+    elif gpus:
+        commands = [recipe.gpu_command(cmd, gpus, args.nodes, args.node_rank, args.master, preset.fp16)]
+    else:
+        commands = recipe.cpu_commands(cmd, local_workers, preset.fp16, args.nodes, args.node_rank, args.master)
     commands = [c + extra for c in commands]  # the user's fairseq-train options last: they win
     if args.dry_run:
         print("\n".join(shlex.join(c) for c in commands))
         sys.exit(0)
-    sys.exit(recipe.run_all(commands))
+    status = recipe.run_all(commands, first_rank=args.node_rank * local_workers, log_dir=save_dir)
+    if status != 0:
+        last = save_dir / "checkpoint_last.pt"
+        resume = f"resumes from {last}" if last.is_file() else f"starts over (no checkpoint in {save_dir} yet)"
+        print(f"{PROG}: training stopped before its end; the same command {resume}", file=sys.stderr)
+    sys.exit(status)
 
 
 if __name__ == "__main__":
