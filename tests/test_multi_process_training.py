@@ -280,10 +280,10 @@ def test_a_kill_during_a_checkpoint_write_leaves_a_checkpoint_last_that_loads(da
     flags = ["--cpu-processes", "1", "--save-interval-updates", "4"]
     killed = train(data_bin, save_dir, LONG_UPDATES, *flags, check=False, env=env)
     assert "the process of rank 0 was killed by SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    last = parameters(save_dir)  # loads
+    assert last["optimizer_history"][-1]["num_updates"] == 4
     assert (save_dir / ("checkpoint_1_8.pt.tmp" if point == "save" else "checkpoint_last.pt.tmp")).is_file(), \
         "the kill came halfway through the write"
-    last = parameters(save_dir)
-    assert last["optimizer_history"][-1]["num_updates"] == 4
     train(data_bin, save_dir, LONG_UPDATES, *flags)
     assert largest_difference(parameters(save_dir), uninterrupted, f"killed while {point}, resumed") <= TOLERANCE
 

@@ -86,7 +86,7 @@ def test_gpu_command_is_the_fp16_multi_gpu_recipe(monkeypatch, capsys, tmp_path)
     (tmp_path / "dict.txt").write_text("a 1\n")
     launched = []
     monkeypatch.setattr(recipe, "gpu_count", lambda: 4)
-    monkeypatch.setattr(recipe, "run_all", lambda commands: launched.extend(commands) or 0)
+    monkeypatch.setattr(recipe, "run_all", lambda commands, **where: launched.extend(commands) or 0)
     with pytest.raises(SystemExit) as exit_info:
         T.main(["alibi", "--data", str(tmp_path), "--save-dir", str(tmp_path / "ckpt"),
                 "--nodes", "2", "--node-rank", "1", "--master", "node0:29500", "--max-update", "10"])

@@ -74,14 +74,19 @@ def check_fully_sharded(cfg) -> None:
                                 "(or use --ddp-backend legacy_ddp, the recipe's)") from None
 
 
+def gloo_without_gpus(cfg) -> None:
+    """fairseq's default ``--distributed-backend nccl`` becomes gloo for processes without GPUs."""
+    training = cfg.distributed_training
+    if not uses_gpus(cfg) and training.distributed_backend == "nccl" and training.distributed_world_size > 1:
+        training.distributed_backend = "gloo"
+        logger.info("processes without GPUs: --distributed-backend gloo")
+
+
 def _call_main(stock):
     def call_main(cfg, main, **kwargs):
         place_torchrun_process(cfg)
         check_fully_sharded(cfg)
-        training = cfg.distributed_training
-        if not uses_gpus(cfg) and training.distributed_backend == "nccl" and training.distributed_world_size > 1:
-            training.distributed_backend = "gloo"  # NCCL needs GPUs
-            logger.info("processes without GPUs: --distributed-backend gloo")
+        gloo_without_gpus(cfg)
         return stock(cfg, main, **kwargs)
 
     call_main.kerple_fairseq = True
