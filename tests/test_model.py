@@ -175,15 +175,20 @@ def test_bias_is_per_head_not_per_batch_element():
     assert model.decoder.buffered_future_mask(torch.zeros(24, 7, 32)) is None, "no fairseq future mask is built"
 
 
-def test_layers_are_built_through_fairseqs_build_decoder_layer_hook():
+@pytest.mark.parametrize("kernel, flags", [("kerple_log", []), ("fox", []), ("fire", ["--fire-threshold", "4"])])
+@pytest.mark.parametrize("wrapping", [["--checkpoint-activations"], ["--checkpoint-activations", "--offload-activations"]],
+                         ids=["checkpoint", "offload"])
+def test_layers_are_built_through_fairseqs_build_decoder_layer_hook(kernel, flags, wrapping):
     """The plugin's attention is built inside fairseq's layer, so activation checkpointing wraps the
-    real module: same log-probabilities and gradients as without it."""
+    real module: same log-probabilities and gradients as without it, dropout included (the
+    recomputation replays the same random numbers), for a learnable kernel and the layer biases."""
     from kerple_fairseq.attention.self_attention import BiasedSelfAttention
     from kerple_fairseq.models.decoder import KernelBiasedDecoderLayer
 
+    dropout = ["--dropout", "0.1", "--attention-dropout", "0.1"]
     torch.manual_seed(0)
-    plain = tiny_model("kerple_log").train()
-    checkpointed = tiny_model("kerple_log", "--checkpoint-activations").train()
+    plain = tiny_model(kernel, *flags, *dropout).train()
+    checkpointed = tiny_model(kernel, *flags, *dropout, *wrapping).train()
     checkpointed.load_state_dict(plain.state_dict())
     for layer in checkpointed.decoder.layers:
         assert isinstance(layer, KernelBiasedDecoderLayer) and isinstance(layer.self_attn, BiasedSelfAttention)
@@ -193,9 +198,13 @@ def test_layers_are_built_through_fairseqs_build_decoder_layer_hook():
     grads = []
     for model in (plain, checkpointed):
         model.zero_grad()
+        torch.manual_seed(5)
         model(tokens)[0].logsumexp(-1).mean().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
-    assert grads[0].keys() == grads[1].keys() and "decoder.attention_bias.kernel.r1" in grads[0]
+    learnable = {"kerple_log": "decoder.attention_bias.kernel.r1",
+                 "fox": "decoder.layers.0.self_attn.layer_bias.gate.weight",
+                 "fire": "decoder.layers.0.self_attn.layer_bias.hidden.weight"}[kernel]
+    assert grads[0].keys() == grads[1].keys() and grads[0][learnable].abs().sum() > 0
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, msg=name)
 
