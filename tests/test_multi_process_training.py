@@ -54,12 +54,13 @@ def finish(*procs, timeout=600):
         proc.wait(timeout=timeout)
         texts.append(open(proc._log).read())
     for proc, text in zip(procs, texts):
-        assert proc.returncode == 0, f"{proc.args[2:4]} failed ({proc.returncode}):\n{text[-6000:]}"
+        assert proc.returncode == 0, f"{proc._log.name} failed ({proc.returncode}):\n{text[-6000:]}"
     return texts
 
 
-def parameters(save_dir, name="checkpoint_last.pt"):
-    return torch.load(save_dir / name, map_location="cpu", weights_only=True)
+def parameters(save_dir):
+    """The run's checkpoint_last.pt, read as data."""
+    return torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)
 
 
 def largest_difference(a, b, label) -> float:
