@@ -72,6 +72,13 @@ def largest_difference(a, b, label) -> float:
     return difference
 
 
+def two_machines(data_bin, save_dir, updates, *flags, name, master=None):
+    """Launches of the training script as on two machines of one process each: node 0, node 1."""
+    master = master or f"127.0.0.1:{free_port()}"
+    return [launch(data_bin, save_dir, updates, "--cpu-processes", "1", "--nodes", "2", "--node-rank", str(rank),
+                   "--master", master, *flags, name=f"{name}-node{rank}") for rank in (0, 1)]
+
+
 @pytest.fixture(scope="module")
 def one_process(data_bin, tmp_path_factory):
     """One process accumulating 2 batches per update (--update-freq 2): the reference."""
@@ -86,17 +93,15 @@ def one_process(data_bin, tmp_path_factory):
 def test_two_machines_equal_one_process_with_update_freq_2(data_bin, tmp_path, one_process, launcher):
     master = f"127.0.0.1:{free_port()}"
     save_dir = tmp_path / "two-machines"
-    machines = [launch(data_bin, save_dir, UPDATES, "--cpu-processes", "1", "--nodes", "2", "--node-rank", str(rank),
-                       "--master", master, *launcher, name=f"node{rank}") for rank in (1, 0)]
-    texts = finish(*machines)
+    texts = finish(*two_machines(data_bin, save_dir, UPDATES, *launcher, name="run", master=master))
     assert all("2 CPU worker(s), --update-freq 1: 2048 tokens per update" in text for text in texts)
     init = "env://" if launcher else f"tcp://{master}"
-    assert f"distributed init (rank 0): {init}" in texts[1]
-    two_machines = parameters(save_dir)
-    assert largest_difference(two_machines, one_process, f"two machines ({launcher or 'processes'}) vs one process") <= TOLERANCE
-    assert two_machines["extra_state"]["train_iterator"]["num_shards"] == 2
+    assert f"distributed init (rank 0): {init}" in texts[0]
+    trained = parameters(save_dir)
+    assert largest_difference(trained, one_process, f"two machines ({launcher or 'processes'}) vs one process") <= TOLERANCE
+    assert trained["extra_state"]["train_iterator"]["num_shards"] == 2
     # learnable kernel parameters took part
-    assert not torch.equal(two_machines["model"][KERNEL_PARAMETER], torch.tensor([1.0, 1.0, 1.0, 1.0]))
+    assert not torch.equal(trained["model"][KERNEL_PARAMETER], torch.tensor([1.0, 1.0, 1.0, 1.0]))
 
 
 @pytest.mark.slow
@@ -160,13 +165,6 @@ def rank_processes(save_dir, rank=None):
                 (rank is None or ranks == [str(rank)]):
             found.append(int(cmdline.parent.name))
     return found
-
-
-def two_machines(data_bin, save_dir, updates, *flags, name):
-    """Launches of the training script as on two machines of one process each: node 0, node 1."""
-    master = f"127.0.0.1:{free_port()}"
-    return [launch(data_bin, save_dir, updates, "--cpu-processes", "1", "--nodes", "2", "--node-rank", str(rank),
-                   "--master", master, *flags, name=f"{name}-node{rank}") for rank in (0, 1)]
 
 
 def messages(proc):

@@ -122,13 +122,20 @@ def base_command(data: Path, model: str, train_length: int, preset: Preset, freq
             "--tensorboard-logdir", str(save_dir / "tensorboard")]
 
 
+def device_flags(gpus: bool, fp16: bool) -> List[str]:
+    """fp16 if asked, on GPUs or on CPU (:data:`CPU_FP16_FLAGS`)."""
+    if gpus:
+        return ["--fp16"] if fp16 else []
+    return ["--cpu", *(CPU_FP16_FLAGS if fp16 else [])]
+
+
 def cpu_commands(cmd: List[str], processes: int, fp16: bool, nodes: int = 1, node_rank: int = 0,
                  master: Optional[str] = None) -> List[List[str]]:
     """One command per gloo process of this machine, in fp16 if asked (:data:`CPU_FP16_FLAGS`): ranks
     ``node_rank * processes ...`` of ``nodes`` machines meeting at ``master`` (HOST:PORT of node 0; on
     one machine a free local port if not given). fairseq 0.12 cannot spawn CPU workers itself (it
     spawns one per GPU), so each rank is started explicitly."""
-    cmd = cmd + ["--cpu"] + (CPU_FP16_FLAGS if fp16 else [])
+    cmd = cmd + device_flags(gpus=False, fp16=fp16)
     world = processes * nodes
     if world == 1:
         return [cmd]
@@ -142,7 +149,7 @@ def cpu_commands(cmd: List[str], processes: int, fp16: bool, nodes: int = 1, nod
 def gpu_command(cmd: List[str], gpus: int, nodes: int, node_rank: int, master: Optional[str], fp16: bool) -> List[str]:
     """This machine's ``gpus`` GPUs, in fp16 if asked, one of ``nodes`` machines (node 0 at ``master``, HOST:PORT);
     fairseq spawns a process per GPU."""
-    cmd = cmd + (["--fp16"] if fp16 else []) + [*DATA_PARALLEL, "--distributed-world-size", str(gpus * nodes)]
+    cmd = cmd + device_flags(gpus=True, fp16=fp16) + [*DATA_PARALLEL, "--distributed-world-size", str(gpus * nodes)]
     if nodes > 1:
         cmd += ["--distributed-rank", str(node_rank * gpus), "--distributed-init-method", f"tcp://{master}"]
     return cmd
@@ -154,11 +161,10 @@ def torchrun_command(cmd: List[str], processes: int, nodes: int, node_rank: int,
     ``nodes`` machines meeting at ``master``; fairseq reads their places from torchrun's variables
     (:mod:`kerple_fairseq.training.distributed`)."""
     host, port = master.rsplit(":", 1) if master else ("127.0.0.1", str(free_port()))
-    precision = (["--fp16"] if fp16 else []) if gpus else ["--cpu", *(CPU_FP16_FLAGS if fp16 else [])]
     backend = [] if gpus else ["--distributed-backend", "gloo"]
     return [str(BIN / "torchrun"), "--nnodes", str(nodes), "--nproc-per-node", str(processes),
             "--node-rank", str(node_rank), "--master-addr", host, "--master-port", port,
-            *cmd, *precision, *backend, *DATA_PARALLEL]
+            *cmd, *device_flags(gpus, fp16), *backend, *DATA_PARALLEL]
 
 
 def how_it_ended(status: int) -> str:
@@ -178,11 +184,10 @@ def run_all(commands: List[List[str]], first_rank: int = 0, log_dir: Optional[Pa
     procs = [subprocess.Popen(c, stdout=None if i == 0 else logs[i - 1], stderr=None if i == 0 else subprocess.STDOUT,
                               env=data_only_environment()) for i, c in enumerate(commands)]
 
-    def stop_all(signum=None, frame=None):
+    def stop_all(signum, frame):
         stop(procs)
-        if signum is not None:
-            say(f"train-wikitext-103: stopped by {signal.Signals(signum).name}")
-            sys.exit(128 + signum)
+        say(f"train-wikitext-103: stopped by {signal.Signals(signum).name}")
+        sys.exit(128 + signum)
 
     previous = {s: signal.signal(s, stop_all) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
