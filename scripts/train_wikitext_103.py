@@ -16,6 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's kerple_fairseq
 
+from kerple_fairseq.evaluation.cli import positive_int  # noqa: E402
 from kerple_fairseq.experiments import recipe  # noqa: E402
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS, position_encoding  # noqa: E402
 from kerple_fairseq.experiments.wikitext103 import PrepareError, require_data_bin  # noqa: E402
@@ -32,11 +33,11 @@ def parse_args(argv=None):
     p.add_argument("--data", type=Path, default=REPO / "data-bin" / "wikitext-103",
                    help="the data-bin from prepare-wikitext-103.sh (default: data-bin/wikitext-103)")
     p.add_argument("--save-dir", type=Path, help="checkpoints (default: checkpoints/wikitext-103/MODEL-LENGTH)")
-    p.add_argument("--train-length", type=int, default=512, help="--tokens-per-sample (default 512)")
+    p.add_argument("--train-length", type=positive_int, default=512, help="--tokens-per-sample (default 512)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer CPU smoke preset of the same pipeline")
     p.add_argument("--cpu-processes", type=int, default=0,
                    help="train on CPU in N processes (gloo; default: all GPUs, or 1 CPU process without GPUs)")
-    p.add_argument("--nodes", type=int, default=1, help="number of machines (each runs this script)")
+    p.add_argument("--nodes", type=positive_int, default=1, help="number of machines (each runs this script)")
     p.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nodes-1")
     p.add_argument("--master", default=None, metavar="HOST:PORT",
                    help="address of node 0 for --nodes > 1 (fairseq's --distributed-init-method tcp://HOST:PORT; "

@@ -105,6 +105,8 @@ def test_gpu_command_is_the_fp16_multi_gpu_recipe(monkeypatch, capsys, tmp_path)
 @pytest.mark.parametrize("model, flags, message", [
     ("alibi", ["--data", "/nonexistent"], "is not a data-bin (no dict.txt); run: bash scripts/prepare-wikitext-103.sh"),
     ("alibi", ["--nodes", "2"], "--nodes > 1 needs --master HOST:PORT"),
+    ("alibi", ["--train-length", "-5"], "argument --train-length: must be a positive integer, got -5"),
+    ("alibi", ["--nodes", "0"], "argument --nodes: must be a positive integer, got 0"),
     ("alibi_v2", [], "unknown model 'alibi_v2': choose a position encoding (sinusoidal, rotary, nope, t5, alibi, "
                      "kerple_log, fire, fox, dape_alibi, dape_kerple_log, rotary_ntk, rotary_dynamic_ntk, rotary_yarn, "
                      "xpos, cope) or a bias "
