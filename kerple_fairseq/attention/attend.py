@@ -27,8 +27,13 @@ Other methods plug in as follows:
   is added to the block's distance bias by :class:`~kerple_fairseq.attention.layer_bias.LayerBlockBias`,
   ``[heads, ...]`` or ``[batch, heads, ...]`` (or as a score term for FlexAttention);
 - a **score transform** (DAPE, :mod:`kerple_fairseq.attention.dape`; CoPE,
-  :mod:`kerple_fairseq.attention.cope`) needs the scores, so it runs on the explicit backend, one
-  block at a time.
+  :mod:`kerple_fairseq.attention.cope`; selective attention, :mod:`kerple_fairseq.attention.selective`;
+  ReRoPE's merged logits, :mod:`kerple_fairseq.attention.rotary`) needs the scores, so it runs on the
+  explicit backend, one block at a time;
+- **stick-breaking** weights (:mod:`kerple_fairseq.attention.stick_breaking`) replace the softmax on
+  the explicit backend;
+- a **query scale** (scalable softmax, Llama 4's temperature: :mod:`kerple_fairseq.attention.query_scaling`)
+  multiplies the queries before any backend sees them.
 """
 
 import contextlib
@@ -42,6 +47,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kerple_fairseq.attention import flex, kernel_gradient
 from kerple_fairseq.attention.distance_bias import DistanceBlockBias
+from kerple_fairseq.attention.stick_breaking import stick_breaking_weights
 
 #: ``transform(q, scores, bias)``: the logits from the block's queries, scores and bias (DAPE, CoPE)
 ScoreTransform = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -59,15 +65,15 @@ MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTI
 
 def choose_backend(q: Tensor, k: Tensor, bias: DistanceBlockBias, *, preference: str = "auto", dropout: float,
                    key_padding_mask: Optional[Tensor], need_probabilities: bool,
-                   score_transform: Optional[ScoreTransform] = None) -> str:
+                   score_transform: Optional[ScoreTransform] = None, stick_breaking: bool = False) -> str:
     """The backend for a block. Explicit wherever scores or probabilities are needed (weights
-    requested, a score transform) or asked for. Then FlexAttention where it serves
+    requested, a score transform, stick-breaking weights) or asked for. Then FlexAttention where it serves
     (:func:`flex_serves`), if asked for, and by default on CUDA and for at least
     :data:`FLEX_MIN_KEYS_CPU` keys on CPU. Otherwise explicit for key padding or a weight kernel,
     the kernel gradient backend where it applies, else sdpa."""
     if preference not in BACKENDS:
         raise ValueError(f"unknown attention backend {preference!r}; choose one of: {', '.join(BACKENDS)}")
-    if preference == "explicit" or need_probabilities or score_transform is not None:
+    if preference == "explicit" or need_probabilities or score_transform is not None or stick_breaking:
         return "explicit"
     if preference != "sdpa" and flex_serves(q, bias, dropout, key_padding_mask) and (
             preference == "flex" or q.device.type == "cuda" or k.size(2) >= FLEX_MIN_KEYS_CPU):
@@ -94,13 +100,16 @@ def flex_serves(q: Tensor, bias: DistanceBlockBias, dropout: float, key_padding_
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: DistanceBlockBias, *, preference: str = "auto",
            dropout: float = 0.0, key_padding_mask: Optional[Tensor] = None, need_probabilities: bool = False,
-           score_transform: Optional[ScoreTransform] = None) -> Tuple[Tensor, Optional[Tensor]]:
+           score_transform: Optional[ScoreTransform] = None, stick_breaking: bool = False
+           ) -> Tuple[Tensor, Optional[Tensor]]:
     """Attention of one block: ``q`` ``[B, H, T, D]`` (already scaled by ``1/sqrt(D)``), ``k`` and
-    ``v`` ``[B, H, S, D]`` (the block's keys), ``key_padding_mask`` ``[B, S]`` (True: padding).
+    ``v`` ``[B, H, S, D]`` (the block's keys), ``key_padding_mask`` ``[B, S]`` (True: padding);
+    ``stick_breaking``: stick-breaking weights instead of the softmax.
     Returns the attended values ``[B, H, T, D]`` and, with ``need_probabilities``, the float32
     probabilities ``[B, H, T, S]``."""
     backend = choose_backend(q, k, bias, preference=preference, dropout=dropout, key_padding_mask=key_padding_mask,
-                             need_probabilities=need_probabilities, score_transform=score_transform)
+                             need_probabilities=need_probabilities, score_transform=score_transform,
+                             stick_breaking=stick_breaking)
     if backend == "flex":
         padding = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
         return flex.attend(q, k, v, bias.score_mod(q.dtype, q.device), bias.block_mask(q.device, padding)), None
@@ -112,8 +121,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: DistanceBlockBias, *, preferen
         with sdpa_kernel(MASKED_SDPA_BACKENDS) if q.device.type == "cuda" else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=1.0), None
     scores = biased_scores(q, k, bias, key_padding_mask, score_transform)
-    # in float32 for half-precision scores (as fairseq does), in float64 for float64 ones
-    probabilities = torch.softmax(scores, dim=-1, dtype=torch.float64 if scores.dtype == torch.float64 else torch.float32)
+    if stick_breaking:
+        probabilities = stick_breaking_weights(scores, bias.block)
+    else:
+        # in float32 for half-precision scores (as fairseq does), in float64 for float64 ones
+        probabilities = torch.softmax(scores, dim=-1,
+                                      dtype=torch.float64 if scores.dtype == torch.float64 else torch.float32)
     if key_padding_mask is not None:
         # a padded query whose window holds only padding sees no key: it attends to nothing (as in
         # FlexAttention) rather than spreading NaN through the padded values into later layers

@@ -11,8 +11,13 @@ from kerple_fairseq.errors import KernelConfigError
 ROTARY_BASE = 10000.0
 #: xPos's default scale base (its ``scale_base``)
 XPOS_SCALE_BASE = 512.0
-#: evaluation-time scalings of the rotation (NTK-aware, from the evaluated or the current length; YaRN)
-ROTARY_SCALINGS = ("none", "ntk", "dynamic-ntk", "yarn")
+#: evaluation-time scalings of the rotation (NTK-aware, from the evaluated or the current length; YaRN;
+#: ReRoPE and its leaky variant)
+ROTARY_SCALINGS = ("none", "ntk", "dynamic-ntk", "yarn", "rerope", "leaky-rerope")
+RE_ROPE = ("rerope", "leaky-rerope")
+#: ReRoPE's window, as a fraction of the training length when --rerope-window is 0 (the reference's
+#: best reported window, 1024 on Llama 2 trained at 4096), and leaky ReRoPE's k (its reported k = 16)
+REROPE_WINDOW_FRACTION, REROPE_LEAK = 4, 16.0
 #: dynamic NTK: positions per band of queries that share one scale
 DYNAMIC_NTK_STEP = 16
 #: YaRN's correction range: dimensions of more than 32 rotations over the training length are kept,
@@ -33,7 +38,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, xpos: bool = False, xpos_scale_base: float = XPOS_SCALE_BASE,
                  scaling: str = "none", train_length: int = 0, scaling_length: int = 0,
-                 dynamic_step: int = DYNAMIC_NTK_STEP):
+                 dynamic_step: int = DYNAMIC_NTK_STEP, rerope_window: int = 0, rerope_leak: float = REROPE_LEAK):
         super().__init__()
         if head_dim % 2:
             raise KernelConfigError(f"rotary embeddings need an even head dimension, got {head_dim}")
@@ -45,6 +50,12 @@ class RotaryEmbedding(nn.Module):
         if dynamic_step < 1:
             raise KernelConfigError(f"--dynamic-ntk-step must be >= 1, got {dynamic_step}")
         self.dynamic_step = dynamic_step
+        if rerope_window < 0:
+            raise KernelConfigError(f"--rerope-window must be >= 0 (0: a quarter of the training length), "
+                                    f"got {rerope_window}")
+        if not rerope_leak > 1:
+            raise KernelConfigError(f"--rerope-leak must be > 1, got {rerope_leak}")
+        self.rerope_window, self.rerope_leak = rerope_window, float(rerope_leak)
         self.set_scaling(scaling, train_length, scaling_length)
 
     def set_scaling(self, scaling: str, train_length: int, scaling_length: int = 0) -> None:
@@ -57,6 +68,8 @@ class RotaryEmbedding(nn.Module):
             raise KernelConfigError(f"--rotary-scaling {scaling} needs the training length (--tokens-per-sample)")
         if scaling_length < 0:
             raise KernelConfigError(f"--rotary-scaling-length must be >= 0, got {scaling_length}")
+        if scaling in RE_ROPE and self.xpos:
+            raise KernelConfigError(f"--rotary-scaling {scaling} is for plain rotary models, not with --rotary-xpos")
         self.scaling, self.train_length, self.scaling_length = scaling, train_length, scaling_length
 
     @property
@@ -119,13 +132,17 @@ class RotaryEmbedding(nn.Module):
         s = self.scale_factor()
         return tuple(self._rotate(x, offset, self.inverse_frequencies(s, x.device), self.magnitude(s)) for x in xs)
 
-    @staticmethod
-    def _rotate(x: Tensor, offset: int, frequencies: Tensor, magnitude: float = 1.0) -> Tensor:
+    @classmethod
+    def _rotate(cls, x: Tensor, offset: float, frequencies: Tensor, magnitude: float = 1.0) -> Tensor:
         """``x`` ``[..., T, D]`` at positions ``offset ..``, each pair ``k`` rotated by ``position *
         frequencies[k]`` (angles in float64, cast once) and scaled by ``magnitude``."""
+        positions = torch.arange(x.size(-2), dtype=torch.float64, device=x.device) + offset
+        return cls._turn(x, positions[:, None] * frequencies[None, :], magnitude)
+
+    @staticmethod
+    def _turn(x: Tensor, angles: Tensor, magnitude: float = 1.0) -> Tensor:
+        """``x`` ``[..., T, D]`` with pair ``k`` of row ``t`` rotated by ``angles[t, k]`` (float64)."""
         half = x.size(-1) // 2
-        positions = torch.arange(offset, offset + x.size(-2), dtype=torch.float64, device=x.device)
-        angles = positions[:, None] * frequencies[None, :]  # [T, D/2]
         cos, sin = (angles.cos() * magnitude).to(x.dtype), (angles.sin() * magnitude).to(x.dtype)
         first, second = x[..., :half], x[..., half:]
         return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
@@ -147,6 +164,40 @@ class RotaryEmbedding(nn.Module):
                 extra = self.inverse_frequencies(s, q.device) - self.inverse_frequencies(1.0, q.device)
                 q, k = self._rotate(q, first_query, extra), self._rotate(k, first_key, extra)
         return self.decay(q, k, first_query, first_key)
+
+    def rerope_window_size(self) -> int:
+        """ReRoPE's window ``w``: --rerope-window, or a quarter of the training length."""
+        return self.rerope_window or max(1, self.train_length // REROPE_WINDOW_FRACTION)
+
+    def logit_transform(self, q: Tensor, k: Tensor, first_query: int, first_key: int):
+        """ReRoPE's score transform of one block of rotated queries (at absolute positions
+        ``first_query ..``) and keys (at ``first_key ..``), None under any other scaling.
+
+        ReRoPE (Su, 2023, bojone/rerope): the logit of query ``i`` and key ``j`` is the rotary logit
+        at the relative position ``i - j`` below the window ``w``, and at ``w`` from it on; leaky
+        ReRoPE (``leaky-rerope``) uses ``w + (i - j - w) / k`` there. The reference computes a second
+        logit matrix from queries rotated to position ``w`` and unrotated keys (leaky: both at
+        positions interpolated by ``1/k``) and merges the two by the mask ``i - j < w``. Here the
+        second matrix comes from the rotated queries and keys turned further, the query at ``i`` by
+        ``(w + (i - w)/k - i) theta`` and the key at ``j`` by ``(j/k - j) theta`` (``1/k = 0``: ReRoPE),
+        so the cache keeps rotated keys as for plain rotary. Every logit is the reference's; two
+        ``queries x keys`` matrices per block, on the explicit path."""
+        if self.scaling not in RE_ROPE:
+            return None
+        window = self.rerope_window_size()
+        slope = 1.0 / self.rerope_leak if self.scaling == "leaky-rerope" else 0.0
+        theta = self.inverse_frequencies(1.0, q.device)
+        query_positions = torch.arange(q.size(-2), dtype=torch.float64, device=q.device) + first_query
+        key_positions = torch.arange(k.size(-2), dtype=torch.float64, device=q.device) + first_key
+        q_far = self._turn(q, (window * (1 - slope) + query_positions * (slope - 1))[:, None] * theta[None])
+        k_far = self._turn(k, (key_positions * (slope - 1))[:, None] * theta[None])
+        near = (query_positions[:, None] - key_positions[None, :]) < window
+
+        def rerope_logits(q_block: Tensor, scores: Tensor, mask: Tensor) -> Tensor:
+            far = torch.matmul(q_far, k_far.transpose(-1, -2))
+            return torch.where(near, scores, far.to(scores.dtype)) + mask
+
+        return rerope_logits
 
     def xpos_zeta(self, device=None) -> Tensor:
         """``zeta_k = (2k + 0.4 D) / (1.4 D)`` of each pair ``k``, float64 ``[D/2]``."""
@@ -182,6 +233,9 @@ class RotaryEmbedding(nn.Module):
     def extra_repr(self) -> str:
         xpos = f", xpos (scale base {self.xpos_scale_base:g})" if self.xpos else ""
         scaling = f", {self.scaling} scaling (trained at {self.train_length})" if self.scaling != "none" else ""
+        if self.scaling in RE_ROPE:
+            scaling += f", window {self.rerope_window_size()}"
+            scaling += f", k {self.rerope_leak:g}" if self.scaling == "leaky-rerope" else ""
         if self.dynamic:
             scaling += f" in bands of {self.dynamic_step}"
         return f"head_dim={self.head_dim}{xpos}{scaling}"

@@ -8,7 +8,8 @@ from fairseq.models.transformer_lm import TransformerLanguageModelConfig
 
 from kerple_fairseq.attention.attend import BACKENDS
 from kerple_fairseq.attention.dape import VARIANTS as DAPE_VARIANTS
-from kerple_fairseq.attention.rotary import DYNAMIC_NTK_STEP, ROTARY_SCALINGS
+from kerple_fairseq.attention.query_scaling import SSMAX_SCALE_INIT, TEMPERATURE_FLOOR_SCALE, TEMPERATURE_SCALE
+from kerple_fairseq.attention.rotary import DYNAMIC_NTK_STEP, REROPE_LEAK, ROTARY_SCALINGS
 from kerple_fairseq.kernels import kernel_names, option_fields
 from kerple_fairseq.layer_biases import layer_bias_names, layer_bias_option_fields
 
@@ -127,8 +128,9 @@ def _make_config():
                     "help": "scale rotary beyond the training length (--tokens-per-sample), by s = "
                     "--rotary-scaling-length / training length: ntk (base b s^(D/(D-2))), yarn (frequencies "
                     "ramped to theta/s, logits times (0.1 ln s + 1)^2); dynamic-ntk: ntk with s from the "
-                    "length each query has reached (in bands of --dynamic-ntk-step); at evaluation: "
-                    "kerple-eval-lm --rotary-scaling, or --model-overrides"
+                    "length each query has reached (in bands of --dynamic-ntk-step); rerope: relative "
+                    "positions from --rerope-window w on seen as w (leaky-rerope: w + (i - j - w) / "
+                    "--rerope-leak); at evaluation: kerple-eval-lm --rotary-scaling, or --model-overrides"
                 },
             ),
         ),
@@ -175,6 +177,72 @@ def _make_config():
             field(default=0, metadata={"help": "CoPE: positions in each layer's table (counts are clipped below "
                                        "it); 0: --tokens-per-sample + 1"}),
         ),
+        (
+            "rerope_window",
+            int,
+            field(default=0, metadata={"help": "ReRoPE's window w (--rotary-scaling rerope, leaky-rerope); "
+                                       "0: a quarter of the training length"}),
+        ),
+        (
+            "rerope_leak",
+            float,
+            field(default=REROPE_LEAK, metadata={"help": "leaky ReRoPE's k: distances beyond the window grow by "
+                                                 "1/k per position"}),
+        ),
+        (
+            "stick_breaking",
+            bool,
+            field(
+                default=False,
+                metadata={
+                    "help": "stick-breaking attention instead of the softmax: key j < i gets sigmoid(z_ij) of "
+                    "what the keys between them left, the remainder goes to the query's own value; composes "
+                    "with every kernel (usually none) and logit method; attention then runs on the explicit "
+                    "path, block by block"
+                },
+            ),
+        ),
+        (
+            "selective_attention",
+            bool,
+            field(
+                default=False,
+                metadata={
+                    "help": "selective attention: head 0's positive logits, summed over earlier queries, are "
+                    "subtracted from every head's logits (no parameters); composes with every kernel and "
+                    "rotary, not with DAPE, CoPE or ReRoPE; the explicit path, block by block"
+                },
+            ),
+        ),
+        (
+            "ssmax",
+            bool,
+            field(
+                default=False,
+                metadata={
+                    "help": "scalable softmax: each query times s_h log(n), n the keys it attends to, s_h learned "
+                    "per head and layer; composes with every method and backend"
+                },
+            ),
+        ),
+        ("ssmax_scale_init", float, field(default=SSMAX_SCALE_INIT, metadata={
+            "help": "scalable softmax: the initial s_h"})),
+        (
+            "attn_temperature_tuning",
+            bool,
+            field(
+                default=False,
+                metadata={
+                    "help": "Llama 4's attention temperature: the query at position i times 1 + "
+                    "--attn-temperature-scale * log(floor((i + 1) / --attn-temperature-floor-scale) + 1); "
+                    "for evaluation of any model: --model-overrides \"{'attn_temperature_tuning': True}\""
+                },
+            ),
+        ),
+        ("attn_temperature_floor_scale", int, field(default=TEMPERATURE_FLOOR_SCALE, metadata={
+            "help": "Llama 4's attention temperature: positions per step of the floor (its floor_scale)"})),
+        ("attn_temperature_scale", float, field(default=TEMPERATURE_SCALE, metadata={
+            "help": "Llama 4's attention temperature: beta (its attn_scale)"})),
         ("dape_width", int, field(default=32, metadata={"help": "DAPE: hidden width of each layer's network"})),
         (
             "dape_kernel_size",
