@@ -1,0 +1,180 @@
+"""Stick-breaking attention, scalable softmax, Llama 4's temperature, selective attention and ReRoPE in
+the plugin's attention module against the plain float64 loops of ``attention_rule_reference.py``:
+weights or logits to 1e-12, gradients of every input and parameter to 1e-10. Their decoding paths:
+test_decoding_paths_of_newer_methods.py; training and evaluation: test_newer_methods_training.py."""
+
+import math
+
+import pytest
+import torch
+
+from kerple_fairseq.errors import KernelConfigError
+
+from attention_rule_reference import (llama4_query_temperature, rerope_logits, selective_logits, ssmax_logits,
+                                      stick_breaking)
+from helpers import tiny_model
+
+LENGTH, BATCH = 7, 2
+
+
+def attention_of(kernel, *flags):
+    """Layer 0's self-attention of a float64 tiny model (every parameter moved from its initial
+    value), a random input ``[T, B, E]`` and the parameters that reach the attention's output."""
+    torch.manual_seed(0)
+    attention = tiny_model(kernel, *flags).double().decoder.layers[0].self_attn
+    with torch.no_grad():
+        for p in attention.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    x = torch.randn(LENGTH, BATCH, attention.embed_dim, dtype=torch.float64, requires_grad=True)
+    parameters = list(attention.parameters())
+    return attention, x, parameters
+
+
+def heads_of(attention, y):
+    """``[B, H, T, D]`` from a projection ``[T, B, E]``."""
+    return y.view(LENGTH, BATCH, attention.num_heads, attention.head_dim).permute(1, 2, 0, 3)
+
+
+def raw_qkv(attention, x):
+    """Unscaled, unrotated queries, keys and values ``[B, H, T, D]``."""
+    return [heads_of(attention, proj(x)) for proj in (attention.q_proj, attention.k_proj, attention.v_proj)]
+
+
+def causal_logits(q, k, window=0):
+    """``q_i . k_j / sqrt(D)`` per head ``[T, T]``, ``-inf`` at hidden keys."""
+    z = q @ k.T / math.sqrt(q.shape[-1])
+    i, j = torch.arange(LENGTH)[:, None], torch.arange(LENGTH)[None, :]
+    hidden = (j > i) | ((i - j >= window) if window else torch.zeros_like(j > i))
+    return z.masked_fill(hidden, float("-inf"))
+
+
+def assert_equal_with_gradients(ours, reference, inputs):
+    """Values to 1e-12 where finite (and the same ``-inf`` cells), gradients of a random projection
+    of the finite values to 1e-10 for every input."""
+    finite = torch.isfinite(reference)
+    assert torch.equal(finite, torch.isfinite(ours))
+    torch.testing.assert_close(ours[finite], reference[finite], rtol=0, atol=1e-12)
+    weights = torch.randn(reference[finite].shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    got = torch.autograd.grad((ours[finite] * weights).sum(), inputs, allow_unused=True, retain_graph=True)
+    expected = torch.autograd.grad((reference[finite] * weights).sum(), inputs, allow_unused=True, retain_graph=True)
+    for tensor, a, b in zip(inputs, got, expected):
+        if b is None:
+            assert a is None or a.abs().max() == 0, tensor.shape
+            continue
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+        assert b.abs().max() > 0
+
+
+def before_softmax(attention, x):
+    """The module's logits ``[B, H, T, T]``."""
+    scores, _ = attention(x, x, x, before_softmax=True)
+    return scores.view(BATCH, attention.num_heads, LENGTH, LENGTH)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_stick_breaking_weights_and_output_equal_the_loops(window):
+    attention, x, parameters = attention_of("none", "--stick-breaking", "--attn-window", str(window))
+    out, weights = attention(x, x, x, need_head_weights=True)  # weights [H, B, T, S]
+    q, k, v = raw_qkv(attention, x)
+    rows, outputs = [], []
+    for b in range(BATCH):
+        per_head, attended = [], []
+        for h in range(attention.num_heads):
+            a, rest, o = stick_breaking(causal_logits(q[b, h], k[b, h], window), v[b, h])
+            per_head.append(a + torch.diag(rest))
+            attended.append(o)
+        rows.append(torch.stack(per_head))
+        outputs.append(torch.stack(attended))
+    reference = torch.stack(rows).transpose(0, 1)
+    torch.testing.assert_close(weights.sum(-1), torch.ones_like(weights.sum(-1)), rtol=0, atol=1e-12)
+    assert_equal_with_gradients(weights, reference, [x, *parameters])
+    expected = attention.out_proj(torch.stack(outputs).permute(2, 0, 1, 3).reshape(LENGTH, BATCH, -1))
+    assert_equal_with_gradients(out, expected, [x, *parameters])
+
+
+def rotary_logits(q, k):
+    """Plain rotary logits of one head by the loops (ReRoPE with a window beyond the length)."""
+    return rerope_logits(q, k, window=LENGTH + 1)
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_ssmax_logits_and_scale_gradients_equal_the_loops(window):
+    attention, x, parameters = attention_of("none", "--rotary-embeddings", "--ssmax", "--attn-window", str(window))
+    scale = attention.query_scales[0].scale
+    assert any(p is scale for p in parameters)
+    q, k, _ = raw_qkv(attention, x)
+    reference = torch.stack([torch.stack([
+        ssmax_logits(rotary_logits(q[b, h], k[b, h]), scale[h], window=window) for h in range(attention.num_heads)])
+        for b in range(BATCH)])
+    assert_equal_with_gradients(before_softmax(attention, x), reference, [x, *parameters])
+
+
+def test_llama4_temperature_scales_the_queries_from_its_floor_on():
+    attention, x, parameters = attention_of("none", "--rotary-embeddings", "--attn-temperature-tuning",
+                                            "--attn-temperature-floor-scale", "3", "--attn-temperature-scale", "0.7")
+    q, k, _ = raw_qkv(attention, x)
+    factors = torch.tensor([llama4_query_temperature(i, beta=0.7, floor_scale=3) for i in range(LENGTH)],
+                           dtype=torch.float64)
+    assert factors[1] == 1 and factors[2] > 1 and factors[5] > factors[4]
+    reference = torch.stack([torch.stack([rotary_logits(q[b, h], k[b, h]) * factors[:, None]
+                                          for h in range(attention.num_heads)]) for b in range(BATCH)])
+    assert_equal_with_gradients(before_softmax(attention, x), reference, [x, *parameters])
+
+
+@pytest.mark.parametrize("window", [0, 3])
+def test_selective_logits_equal_the_loops(window):
+    attention, x, parameters = attention_of("none", "--selective-attention", "--attn-window", str(window))
+    q, k, _ = raw_qkv(attention, x)
+    reference = torch.stack([selective_logits(torch.stack([causal_logits(q[b, h], k[b, h], window)
+                                                           for h in range(attention.num_heads)]))
+                             for b in range(BATCH)])
+    ours = before_softmax(attention, x)
+    differs = torch.isfinite(reference) & (ours != torch.stack([torch.stack([causal_logits(q[b, h], k[b, h], window)
+                                                                             for h in range(attention.num_heads)])
+                                                                for b in range(BATCH)]))
+    assert differs.any(), "some key is hidden"
+    assert_equal_with_gradients(ours, reference, [x, *parameters])
+
+
+@pytest.mark.parametrize("scaling, leak", [("rerope", None), ("leaky-rerope", 2.5)])
+def test_rerope_logits_equal_the_loops(scaling, leak):
+    flags = ["--rotary-embeddings", "--rotary-scaling", scaling, "--rerope-window", "3", "--tokens-per-sample", "4"]
+    attention, x, parameters = attention_of("none", *flags, *(["--rerope-leak", str(leak)] if leak else []))
+    q, k, _ = raw_qkv(attention, x)
+    reference = torch.stack([torch.stack([rerope_logits(q[b, h], k[b, h], 3, leak) for h in range(attention.num_heads)])
+                             for b in range(BATCH)])
+    assert_equal_with_gradients(before_softmax(attention, x), reference, [x, *parameters])
+
+
+def test_rerope_window_defaults_to_a_quarter_of_the_training_length():
+    rotary = tiny_model("none", "--rotary-embeddings", "--rotary-scaling", "rerope",
+                        "--tokens-per-sample", "512").decoder.setup.rotary
+    assert rotary.rerope_window_size() == 128 and "window 128" in repr(rotary)
+
+
+def test_ssmax_has_a_scale_per_head_in_each_layer_and_changes_nothing_else():
+    model = tiny_model("none", "--rotary-embeddings", "--ssmax", "--ssmax-scale-init", "0.25")
+    plain = tiny_model("none", "--rotary-embeddings")
+    extra = set(model.state_dict()) - set(plain.state_dict())
+    assert extra == {f"decoder.layers.{i}.self_attn.query_scales.0.scale" for i in range(2)}
+    assert all(torch.equal(model.state_dict()[name], torch.full((4,), 0.25)) for name in extra)
+    assert set(plain.state_dict()) <= set(model.state_dict())
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--selective-attention", "--dape", "mlp"], "--dape and --selective-attention each rewrite the attention logits"),
+    (["--selective-attention", "--cope"], "--cope and --selective-attention each rewrite the attention logits"),
+    (["--rotary-embeddings", "--rotary-scaling", "rerope", "--selective-attention", "--tokens-per-sample", "8"],
+     "--selective-attention and --rotary-scaling rerope each rewrite the attention logits"),
+    (["--rotary-embeddings", "--rotary-scaling", "rerope", "--rotary-xpos", "--tokens-per-sample", "8"],
+     "--rotary-scaling rerope is for plain rotary models, not with --rotary-xpos"),
+    (["--rotary-embeddings", "--rotary-scaling", "leaky-rerope", "--rerope-leak", "1", "--tokens-per-sample", "8"],
+     "--rerope-leak must be > 1, got 1.0"),
+    (["--rotary-embeddings", "--rotary-scaling", "rerope", "--rerope-window", "-2", "--tokens-per-sample", "8"],
+     "--rerope-window must be >= 0"),
+    (["--ssmax", "--ssmax-scale-init", "nan"], "--ssmax-scale-init must be a finite number"),
+    (["--attn-temperature-tuning", "--attn-temperature-floor-scale", "0"], "--attn-temperature-floor-scale must be >= 1"),
+])
+def test_bad_options_are_clear_errors(flags, message):
+    with pytest.raises(KernelConfigError, match=message):
+        tiny_model("none", *flags)
