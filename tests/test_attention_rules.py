@@ -13,6 +13,7 @@ from kerple_fairseq.errors import KernelConfigError
 from attention_rule_reference import (llama4_query_temperature, rerope_logits, selective_logits, ssmax_logits,
                                       stick_breaking)
 from helpers import tiny_model
+from test_layer_biases import log_probs, method_id, tokens_of
 
 LENGTH, BATCH = 7, 2
 
@@ -178,3 +179,57 @@ def test_ssmax_has_a_scale_per_head_in_each_layer_and_changes_nothing_else():
 def test_bad_options_are_clear_errors(flags, message):
     with pytest.raises(KernelConfigError, match=message):
         tiny_model("none", *flags)
+
+
+# ---------------------------------------------------------------- in the model
+
+CASES = [  # (bias kernel, flags): each rule alone and over a kernel
+    ("none", ["--stick-breaking"]),
+    ("alibi", ["--stick-breaking"]),
+    ("none", ["--selective-attention"]),
+    ("kerple_log", ["--selective-attention"]),
+    ("none", ["--rotary-embeddings", "--ssmax"]),
+    ("kerple_log", ["--ssmax", "--attn-temperature-tuning", "--attn-temperature-floor-scale", "4"]),
+    ("none", ["--rotary-embeddings", "--rotary-scaling", "rerope", "--rerope-window", "5", "--tokens-per-sample", "8"]),
+    ("none", ["--rotary-embeddings", "--rotary-scaling", "leaky-rerope", "--rerope-window", "5", "--rerope-leak", "3",
+              "--tokens-per-sample", "8"]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=method_id)
+def test_the_rule_changes_what_the_model_computes(case):
+    kernel, flags = case
+    torch.manual_seed(0)
+    model = tiny_model(kernel, *flags).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    rule = {"--stick-breaking", "--selective-attention", "--ssmax", "--attn-temperature-tuning"}
+    plain = [f for f in flags if f not in rule]
+    if "--rotary-scaling" in plain:
+        plain = plain[:plain.index("--rotary-scaling")]
+    without = tiny_model(kernel, *plain).eval()
+    without.load_state_dict({k: v for k, v in model.state_dict().items() if "query_scales" not in k})
+    tokens = tokens_of()
+    assert (log_probs(model, tokens) - log_probs(without, tokens)).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES[::2] + [("none", ["--rotary-embeddings", "--rotary-scaling", "leaky-rerope",
+                                                         "--tokens-per-sample", "128"])], ids=method_id)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_at_4096_tokens_is_finite_and_close(case, dtype):
+    """Forward at 4096 tokens close to float32; backward finite (the training step)."""
+    kernel, flags = case
+    torch.manual_seed(0)
+    model = tiny_model(kernel, *flags).eval()
+    tokens = tokens_of(1, 4096)
+    with torch.no_grad():
+        full = torch.log_softmax(model(tokens)[0].float(), dim=-1)
+    model = model.to(dtype)
+    logits = model(tokens)[0]
+    half = torch.log_softmax(logits.float(), dim=-1)
+    assert torch.isfinite(half).all()
+    assert (half - full).abs().mean() < 0.05
+    half.gather(-1, tokens[..., None]).mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

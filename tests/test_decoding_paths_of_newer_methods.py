@@ -1,5 +1,6 @@
-"""FIRE, FoX, DAPE (over no bias, ALiBi, KERPLE-log, a weight kernel, rotary, FIRE and FoX) and CoPE
-(alone and over ALiBi, KERPLE-log, rotary, FIRE and a weight kernel) on every decoding path:
+"""FIRE, FoX, DAPE (over no bias, ALiBi, KERPLE-log, a weight kernel, rotary, FIRE and FoX), CoPE
+(alone and over ALiBi, KERPLE-log, rotary, FIRE and a weight kernel), stick-breaking, selective
+attention, scalable softmax, Llama 4's temperature and ReRoPE on every decoding path:
 incremental decoding and beam search equal full scoring, blocks equal one block, a trimmed cache
 equals scoring with the window."""
 
@@ -7,12 +8,13 @@ import pytest
 import torch
 
 from helpers import tiny_model
+from test_attention_rules import CASES as RULE_CASES
 from test_cope import CASES as COPE_CASES, cope_model
 from test_layer_biases import METHODS, log_probs, method_id, tokens_of
 from test_dape import CASES as DAPE_CASES
 
-NEWER_METHODS = METHODS + DAPE_CASES + COPE_CASES
-WITH_A_WINDOW = (METHODS + DAPE_CASES)[:6] + COPE_CASES[:4]  # for the trimmed cache
+NEWER_METHODS = METHODS + DAPE_CASES + COPE_CASES + RULE_CASES
+WITH_A_WINDOW = (METHODS + DAPE_CASES)[:6] + COPE_CASES[:4] + RULE_CASES  # for the trimmed cache
 
 
 def model_of(kernel, *flags):
