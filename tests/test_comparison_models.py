@@ -30,8 +30,16 @@ POSITION_ENCODINGS = {
     "rotary_yarn": ["--arch", "transformer_lm_rotary{size}", "--rotary-scaling", "yarn"],
     "xpos": ["--arch", "transformer_lm_rotary{size}", "--rotary-xpos"],
     "cope": ["--arch", "transformer_lm_cope{size}"],
+    "stick_breaking": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "none", "--stick-breaking"],
+    "selective": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "none", "--selective-attention"],
+    "ssmax": ["--arch", "transformer_lm_rotary{size}", "--ssmax"],
+    "rotary_rerope": ["--arch", "transformer_lm_rotary{size}"],
+    "rotary_leaky_rerope": ["--arch", "transformer_lm_rotary{size}"],
 }
-POSITION_PARAMETERS = ("embed_positions.", "attention_bias.kernel.", "self_attn.layer_bias.", "self_attn.score_transform.")
+#: what a model is evaluated with on top (the same trained model)
+EVALUATED_WITH = {"rotary_rerope": ("--rotary-scaling", "rerope"), "rotary_leaky_rerope": ("--rotary-scaling", "leaky-rerope")}
+POSITION_PARAMETERS = ("embed_positions.", "attention_bias.kernel.", "self_attn.layer_bias.", "self_attn.score_transform.",
+                       "self_attn.query_scales.")
 
 
 def build(name, size, flags, task):
@@ -78,6 +86,8 @@ def assert_differ_only_in_position(models):
     # per layer: CoPE's table [head dim, --tokens-per-sample + 1]
     tokens = models["alibi"].decoder.max_target_positions
     assert encoded["cope"] == layers * (width // heads) * (tokens + 1)
+    assert encoded["stick_breaking"] == encoded["selective"] == encoded["rotary_rerope"] == 0
+    assert encoded["ssmax"] == layers * heads  # one scale per head and layer
 
 
 def test_compared_models_are_among_those_checked_here():
@@ -85,6 +95,7 @@ def test_compared_models_are_among_those_checked_here():
     for name, encoding in COMPARED.items():
         for size, wiki103 in (("", False), ("_wiki103", True)):
             assert encoding.model_flags(wiki103) == [f.format(size=size) for f in POSITION_ENCODINGS[name]], name
+        assert encoding.eval_flags == EVALUATED_WITH.get(name, ()), name
     assert set(small_comparison.DEFAULT_MODELS) <= set(COMPARED)
     assert position_encoding("kerple_power").model_flags(True) == [
         "--arch", "transformer_lm_kerple_wiki103", "--bias-kernel", "kerple_power"]

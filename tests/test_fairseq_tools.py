@@ -28,11 +28,14 @@ USER_DIR = str(REPO / "kerple_fairseq")
 
 
 def every_encoding():
-    """fairseq flags by name: the comparison's position encodings, then every other kernel and layer
-    bias on ``transformer_lm_kerple`` (each model once), and learned positions."""
+    """fairseq flags by name: the comparison's position encodings (an evaluation-time method such as
+    ReRoPE set in the model), then every other kernel and layer bias on ``transformer_lm_kerple`` (each
+    model once), and learned positions."""
     flags = {}
     for name in [*POSITION_ENCODINGS, *sorted(kernel_names() + layer_bias_names())]:
-        model_flags = position_encoding(name).model_flags() + (["--attn-window", "16"] if name == "window" else [])
+        encoding = position_encoding(name)
+        model_flags = encoding.model_flags() + list(encoding.eval_flags) + \
+            (["--attn-window", "16"] if name == "window" else [])
         if model_flags not in flags.values():
             flags[name] = model_flags
     flags["learned_pos"] = ["--arch", "transformer_lm_learned_pos"]
@@ -204,6 +207,9 @@ HYDRA_ENCODINGS = {
     "rotary": ["model.bias_kernel=none", "model.rotary_embeddings=true"],
     "xpos": ["model.bias_kernel=none", "model.rotary_embeddings=true", "model.rotary_xpos=true"],
     "cope": ["model.bias_kernel=none", "model.cope=true"],
+    "stick_breaking": ["model.bias_kernel=none", "model.stick_breaking=true"],
+    "selective": ["model.bias_kernel=none", "model.selective_attention=true"],
+    "ssmax": ["model.bias_kernel=none", "model.rotary_embeddings=true", "model.ssmax=true"],
     "sinusoidal": ["model.bias_kernel=none", "model.token_positional_embeddings=true"],
 }
 

@@ -1,5 +1,7 @@
-"""FIRE, FoX, DAPE and xPos train a tiny model through fairseq-train's main (in this process) with falling
-loss, and the checkpoint reloads and evaluates at 8x the training length with kerple-eval-lm."""
+"""FIRE, FoX, DAPE, xPos, CoPE, stick-breaking, selective attention and scalable softmax train a tiny
+model through fairseq-train's main (in this process) with falling loss, and the checkpoint reloads and
+evaluates at 8x the training length with kerple-eval-lm (the rules after FoX, and ReRoPE and Llama 4's
+temperature on a rotary checkpoint, at 32x)."""
 
 import json
 import math
@@ -26,6 +28,57 @@ RUNS = {
     "cope": ["--arch", "transformer_lm_cope"],
     "cope-alibi": ["--bias-kernel", "alibi", "--cope"],
 }
+
+
+def evaluate(data_bin, checkpoint, results, lengths, *flags):
+    """kerple-eval-lm of ``checkpoint`` at ``lengths`` (both protocols); its records by length and protocol."""
+    from kerple_fairseq.evaluation.cli import cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main([str(data_bin), "--path", str(checkpoint), "--gen-subset", "valid", "--cpu", "--no-progress-bar",
+                  "--lengths", *map(str, lengths), "--max-tokens", "4096", "--results-json", str(results), *flags])
+    assert exit_info.value.code == 0
+    return {(r["length"], r["protocol"]): r for r in json.load(open(results))}
+
+
+RULE_RUNS = {
+    "stick_breaking": ["--bias-kernel", "none", "--stick-breaking"],
+    "selective": ["--bias-kernel", "none", "--selective-attention"],
+    "ssmax": ["--arch", "transformer_lm_rotary", "--ssmax"],
+    "rotary": ["--arch", "transformer_lm_rotary"],
+}
+#: how each rotary checkpoint is also evaluated
+ROTARY_EVALUATIONS = {"rerope": ["--rotary-scaling", "rerope"], "leaky-rerope": ["--rotary-scaling", "leaky-rerope"],
+                      "llama4-temperature": ["--model-overrides", "{'attn_temperature_tuning': True, "
+                                             "'attn_temperature_floor_scale': 128}"]}
+
+
+@pytest.mark.parametrize("run", sorted(RULE_RUNS))
+def test_rules_after_fox_train_with_falling_loss_and_evaluate_at_32x(data_bin, tmp_path, run):
+    flags = RULE_RUNS[run]
+    arch = [] if "--arch" in flags else ["--arch", "transformer_lm_kerple"]
+    losses = train_in_process(data_bin, tmp_path, UPDATES, *arch, *SIZE, *flags)
+    assert_finite_falling_loss(losses, UPDATES, run)
+    checkpoint = tmp_path / "checkpoint_last.pt"
+    if run == "ssmax":  # each layer's scales are learned
+        model = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
+        scales = [model[f"decoder.layers.{n}.self_attn.query_scales.0.scale"] for n in range(2)]
+        assert all((s - 0.43).abs().max() > 1e-4 for s in scales)
+    lengths = [TRAIN_LENGTH, 32 * TRAIN_LENGTH]
+    evaluations = {run: []}
+    if "transformer_lm_rotary" in flags and run == "rotary":
+        evaluations.update(ROTARY_EVALUATIONS)
+    records = {}
+    for name, eval_flags in evaluations.items():
+        records[name] = evaluate(data_bin, checkpoint, tmp_path / f"{name}.json", lengths, *eval_flags)
+        assert {length for length, _ in records[name]} == set(lengths)
+        assert all(math.isfinite(r["ppl"]) for r in records[name].values())
+    if run == "rotary":  # each evaluation option changes the long lengths' result and leaves the training length's
+        long = (32 * TRAIN_LENGTH, "early-token-cursed")
+        for name in ROTARY_EVALUATIONS:
+            assert records[name][long]["ppl"] != records["rotary"][long]["ppl"], name
+        short = (TRAIN_LENGTH, "early-token-cursed")
+        assert records["llama4-temperature"][short]["ppl"] == records["rotary"][short]["ppl"]
 
 
 @pytest.mark.parametrize("run", sorted(RUNS))

@@ -12,6 +12,7 @@ class PositionEncoding(NamedTuple):
     label: str  # its name in tables
     architecture: str  # transformer_lm_<architecture>, or transformer_lm_<architecture>_wiki103
     flags: Tuple[str, ...] = ()
+    eval_flags: Tuple[str, ...] = ()  # kerple-eval-lm options: an evaluation-time method on the trained model
 
     def model_flags(self, wiki103: bool = False) -> List[str]:
         """fairseq flags of the model: the architecture (ALiBi's WikiText-103 one if ``wiki103``) and its options."""
@@ -36,6 +37,14 @@ POSITION_ENCODINGS = {
     "rotary_yarn": PositionEncoding("rotary+YaRN", "rotary", ("--rotary-scaling", "yarn")),
     "xpos": PositionEncoding("xPos", "rotary", ("--rotary-xpos",)),
     "cope": PositionEncoding("CoPE", "cope"),
+    # no position encoding: the stick's order is the recency bias
+    "stick_breaking": PositionEncoding("stick-breaking", "kerple", ("--bias-kernel", "none", "--stick-breaking")),
+    "selective": PositionEncoding("NoPE+selective", "kerple", ("--bias-kernel", "none", "--selective-attention")),
+    "ssmax": PositionEncoding("rotary+SSMax", "rotary", ("--ssmax",)),
+    # rotary trained as `rotary` is, evaluated with ReRoPE's clamped (or leaky) relative positions
+    "rotary_rerope": PositionEncoding("rotary+ReRoPE", "rotary", eval_flags=("--rotary-scaling", "rerope")),
+    "rotary_leaky_rerope": PositionEncoding("rotary+leaky ReRoPE", "rotary",
+                                            eval_flags=("--rotary-scaling", "leaky-rerope")),
 }
 # learned positions are not among them: they cannot be evaluated beyond the training length
 

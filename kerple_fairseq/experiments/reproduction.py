@@ -78,7 +78,8 @@ def reproduce(args: argparse.Namespace, extra: List[str], prog: str) -> None:
     comparison = Comparison(args.data, args.eval_lengths, args.num_targets, ["--fp16"] if use_gpu else ["--cpu"], run)
     evaluated = comparison.train_and_evaluate([
         Model((length, model, seed), partial(train, args, extra, run, model, length, seed),
-              eval_flags=["--per-token", run_dir(args, model, length, seed) / "per-token.npz"])
+              eval_flags=[*POSITION_ENCODINGS[model].eval_flags,
+                          "--per-token", run_dir(args, model, length, seed) / "per-token.npz"])
         for length in args.train_lengths for model in args.models for seed in args.seeds])
     text = ("Validation perplexity on WikiText-103 (early-token-cursed: non-overlapping blocks, every token; "
             f"last-token: the same {args.num_targets} targets after L-1 tokens).\n\n"

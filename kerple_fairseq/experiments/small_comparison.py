@@ -137,7 +137,8 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
             f"(every token, non-overlapping blocks) and last-token ({args.num_targets} targets)"))
     evaluated = comparison.train_and_evaluate([
         Model((name, seed), partial(train, args, data_bin, name, seed),
-              eval_flags=["--position-wise", args.out / run_name(args, name, seed) / "position-wise.csv",
+              eval_flags=[*POSITION_ENCODINGS[name].eval_flags,
+                          "--position-wise", args.out / run_name(args, name, seed) / "position-wise.csv",
                           "--per-token", args.out / run_name(args, name, seed) / "per-token.npz"])
         for name in args.models for seed in args.seeds])
     results = {run_name(args, *key): e.records for key, e in evaluated.items()}
