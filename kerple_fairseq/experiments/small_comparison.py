@@ -75,13 +75,20 @@ def run(cmd: list, log: Optional[Path] = None, show: Callable[[str], bool] = tra
         raise CommandFailed(Path(str(cmd[0])).name, proc.returncode)
 
 
-def train(args: argparse.Namespace, data_bin: Path, name: str, seed: int) -> Path:
-    """fairseq-train of model ``name`` with ``seed`` from scratch in its run's directory; returns its last checkpoint."""
+def train(args: argparse.Namespace, data_bin: Path, name: str, seed: int, trained: Dict[tuple, Path]) -> Path:
+    """fairseq-train of model ``name`` with ``seed`` from scratch in its run's directory; returns its last
+    checkpoint. A model trained as one already in ``trained`` (by flags and seed: ReRoPE's rotary
+    model) gets a copy of that checkpoint instead; ``trained`` records each new one."""
     save_dir = args.out / run_name(args, name, seed)
     if save_dir.exists():
         shutil.rmtree(save_dir)
     save_dir.mkdir(parents=True)
     model_flags = POSITION_ENCODINGS[name].model_flags()
+    same = trained.get((tuple(model_flags), seed))
+    if same is not None:
+        stage(f"{name} is trained as {same.parent.name} is: evaluating a copy of its checkpoint")
+        shutil.copyfile(same, save_dir / same.name)
+        return save_dir / same.name
     stage(f"training {name} ({' '.join(model_flags)}), seed {seed}, {args.updates} updates")
     run([BIN / "fairseq-train", data_bin, "--user-dir", USER_DIR, *model_flags,
          "--kernel-parameterization", args.kernel_parameterization,
@@ -91,6 +98,7 @@ def train(args: argparse.Namespace, data_bin: Path, name: str, seed: int) -> Pat
          "--max-update", args.updates, "--save-dir", save_dir,
          "--tensorboard-logdir", args.out / "tensorboard" / save_dir.name],
         log=save_dir / "train.log")
+    trained[(tuple(model_flags), seed)] = save_dir / "checkpoint_last.pt"
     return save_dir / "checkpoint_last.pt"
 
 
@@ -135,8 +143,9 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
         announce=lambda model: stage(
             f"evaluating {run_name(args, *model.key)} at lengths {', '.join(map(str, args.eval_lengths))}: early-token-cursed "
             f"(every token, non-overlapping blocks) and last-token ({args.num_targets} targets)"))
+    trained: Dict[tuple, Path] = {}
     evaluated = comparison.train_and_evaluate([
-        Model((name, seed), partial(train, args, data_bin, name, seed),
+        Model((name, seed), partial(train, args, data_bin, name, seed, trained),
               eval_flags=[*POSITION_ENCODINGS[name].eval_flags,
                           "--position-wise", args.out / run_name(args, name, seed) / "position-wise.csv",
                           "--per-token", args.out / run_name(args, name, seed) / "per-token.npz"])
