@@ -214,6 +214,26 @@ def test_the_rule_changes_what_the_model_computes(case):
     assert (log_probs(model, tokens) - log_probs(without, tokens)).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_query_scales_are_served_by_the_fused_backends(monkeypatch, backend):
+    """Scalable softmax and the temperature scale the queries: sdpa and FlexAttention (eager here;
+    compiled: test_flex_attention.py) attend as the explicit path does."""
+    from kerple_fairseq.attention import attend as attend_module
+
+    chosen = []
+    choose = attend_module.choose_backend
+    monkeypatch.setattr(attend_module, "choose_backend", lambda *a, **k: chosen.append(choose(*a, **k)) or chosen[-1])
+    monkeypatch.setattr(attend_module.flex, "COMPILED", False)
+    flags = ["--ssmax", "--attn-temperature-tuning", "--attn-temperature-floor-scale", "4"]
+    torch.manual_seed(0)
+    fused = tiny_model("kerple_log", *flags, "--attention-backend", backend).eval()
+    explicit = tiny_model("kerple_log", *flags, "--attention-backend", "explicit").eval()
+    explicit.load_state_dict(fused.state_dict())
+    tokens = tokens_of()
+    torch.testing.assert_close(log_probs(fused, tokens), log_probs(explicit, tokens), rtol=0, atol=1e-5)
+    assert set(chosen) == {backend, "explicit"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES[::2] + [("none", ["--rotary-embeddings", "--rotary-scaling", "leaky-rerope",
                                                          "--tokens-per-sample", "128"])], ids=method_id)
@@ -233,3 +253,27 @@ def test_half_precision_at_4096_tokens_is_finite_and_close(case, dtype):
     assert (half - full).abs().mean() < 0.05
     half.gather(-1, tokens[..., None]).mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("case", CASES[:3] + [("alibi", [])], ids=method_id)
+def test_attention_by_distance_is_the_mean_weight_over_queries_by_loops(case):
+    """kerple-analyze attention's curves: each layer's weight on the key d back, averaged over every
+    query of every segment that has one, equal to loops over the returned weights; each query's
+    weights sum to one (stick-breaking's remainder on its own key)."""
+    from kerple_fairseq.analysis.attention_by_distance import attention_by_distance, attention_weights
+
+    kernel, flags = case
+    torch.manual_seed(0)
+    model = tiny_model(kernel, *flags).eval()
+    stream, length, segments = tokens_of(1, 40, seed=4)[0], 12, 3
+    found = attention_by_distance(model, stream, length, segments, max_tokens=24, device="cpu")
+    captured = attention_weights(model, stream[:segments * length].view(segments, length))
+    for layer, weights in enumerate(captured):
+        torch.testing.assert_close(weights.sum(-1), torch.ones_like(weights.sum(-1)), rtol=0, atol=1e-5)
+        for h in range(weights.shape[0]):
+            for d in range(length):
+                cells = [weights[h, b, i, i - d].item() for b in range(segments) for i in range(d, length)]
+                assert found.weights[layer, h, d] == pytest.approx(sum(cells) / len(cells), abs=1e-6)
+            total = sum((i - j) * weights[h, b, i, j].item() for b in range(segments) for i in range(length)
+                        for j in range(i + 1))
+            assert found.mean_distance[layer, h] == pytest.approx(total / (segments * length), abs=1e-5)

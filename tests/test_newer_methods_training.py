@@ -60,10 +60,28 @@ def test_rules_after_fox_train_with_falling_loss_and_evaluate_at_32x(data_bin, t
     losses = train_in_process(data_bin, tmp_path, UPDATES, *arch, *SIZE, *flags)
     assert_finite_falling_loss(losses, UPDATES, run)
     checkpoint = tmp_path / "checkpoint_last.pt"
-    if run == "ssmax":  # each layer's scales are learned
+    if run == "ssmax":  # each layer's scales are learned, and kerple-analyze kernels reports them
+        import csv
+
+        from kerple_fairseq.analysis.cli import cli_main as analyze
+
         model = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
         scales = [model[f"decoder.layers.{n}.self_attn.query_scales.0.scale"] for n in range(2)]
         assert all((s - 0.43).abs().max() > 1e-4 for s in scales)
+        analyze(["kernels", "--path", str(checkpoint), "--labels", "ssmax", "--max-distance", "64",
+                 "--out", str(tmp_path / "a")])
+        rows = list(csv.DictReader(open(tmp_path / "a" / "kernel-parameters.csv")))
+        reported = {(r["parameter"], int(r["head"])): float(r["value"]) for r in rows}
+        assert reported == {(f"ssmax_s/layer{n + 1}", h + 1): scales[n][h].item() for n in range(2) for h in range(4)}
+    if run in ("stick_breaking", "selective"):  # their recency is drawn from their attention weights
+        from kerple_fairseq.analysis.cli import cli_main as analyze
+
+        analyze(["attention", str(data_bin), "--path", str(checkpoint), "--labels", run, "--length", "128",
+                 "--num-segments", "2", "--cpu", "--no-progress-bar", "--out", str(tmp_path / "a")])
+        summary = json.load(open(tmp_path / "a" / "attention.json"))[run]
+        distances = np.array(summary["mean_attended_distance"])
+        assert distances.shape == (2, 4) and ((distances > 0) & (distances < 128)).all()
+        assert sum(1 for _ in open(tmp_path / "a" / "attention.csv")) == 1 + 2 * 4 * 128
     lengths = [TRAIN_LENGTH, 32 * TRAIN_LENGTH]
     evaluations = {run: []}
     if "transformer_lm_rotary" in flags and run == "rotary":

@@ -4,6 +4,7 @@
     kerple-analyze effective-length --path A.pt B.pt [--max-distance 20480] [--threshold -2]
     kerple-analyze position-wise    DATA --path A.pt B.pt --length 2048 [--windowed-reference]
     kerple-analyze receptive-field  DATA --path A.pt B.pt --length 2048 [--num-segments 32] [--mass 0.99]
+    kerple-analyze attention        DATA --path A.pt B.pt --length 2048 [--num-segments 4]
     kerple-analyze compare          --path A.npz B.npz [--protocol P] [--lengths L ...] [--samples 1000]
     kerple-analyze extrapolation    --path A.json B.json [--train-length L]
 
@@ -28,6 +29,7 @@ import torch
 
 import kerple_fairseq  # noqa: F401  (registers the plugin's models before checkpoints are loaded)
 from kerple_fairseq.analysis import figures, significance
+from kerple_fairseq.analysis.attention_by_distance import attention_by_distance
 from kerple_fairseq.analysis.kernel_curves import effective_lengths, heads_within, load_kernel
 from kerple_fairseq.analysis.position_wise import binned_perplexity, position_wise_loss
 from kerple_fairseq.analysis.receptive_field import receptive_field, theoretical_receptive_field
@@ -99,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="segments averaged, evenly spread over the split (default: 32)")
     receptive.add_argument("--mass", type=float, default=0.99,
                            help="ERF = fewest most recent tokens holding more than this share (default: 0.99)")
+    attention = sub.add_parser("attention", parents=[checkpoints, data],
+                               help="each layer's mean attention weight on the key d tokens back (stick-breaking, "
+                               "selective attention: recency from the content)")
+    attention.add_argument("--num-segments", type=positive_int, default=4,
+                           help="the split's first segments of L tokens averaged (default: 4)")
     per_token_files = inputs("file", "kerple-eval-lm --per-token files of one split; the first is the baseline",
                              "compare.json", seeds=True)
     compare = sub.add_parser("compare", parents=[per_token_files],
@@ -314,6 +321,33 @@ def analyse_receptive_field(args, labels, out: str) -> None:
     draw(lambda: figures.receptive_field(series, args.mass, args.length, args.num_segments, png), png)
 
 
+def analyse_attention(args, labels, out: str) -> None:
+    rows, panels, summary = [], [], {}
+    for path, label in zip(args.path, labels):
+        model, task, _, device = load_for_data(args, path)
+        stream = token_stream(task, args.data, args.gen_subset)
+        try:
+            found = attention_by_distance(model, stream, args.length, args.num_segments, args.max_tokens, device,
+                                          progress=not args.no_progress_bar)
+        except ValueError as e:
+            raise UsageError(str(e)) from e
+        layers, heads, _ = found.weights.shape
+        for layer in range(layers):
+            for head in range(heads):
+                rows.extend((label, layer + 1, head + 1, d, repr(float(w)))
+                            for d, w in enumerate(found.weights[layer, head]))
+        per_layer = found.mean_distance.mean(axis=1)
+        summary[label] = {"checkpoint": path, "length": args.length, "segments": found.num_segments,
+                          "mean_attended_distance": found.mean_distance.tolist()}
+        panels.append((label, found.weights.mean(axis=1), [f"layer {n + 1}" for n in range(layers)]))
+        print(f"{label}: mean attended distance by layer (of {args.length} tokens, {found.num_segments} segments): "
+              + ", ".join(f"{d:.1f}" for d in per_layer))
+    write_csv(os.path.join(out, "attention.csv"), ["model", "layer", "head", "distance", "weight"], rows)
+    write_json(os.path.join(out, "attention.json"), summary)
+    png = os.path.join(out, "attention.png")
+    draw(lambda: figures.attention_by_distance(panels, args.length, png), png)
+
+
 def analyse_compare(args, labels, out: str) -> None:
     files = [per_token.load(p) for p in args.path]
     for label, f in zip(labels[1:], files[1:]):
@@ -394,6 +428,7 @@ ANALYSES = {
     "effective-length": analyse_effective_length,
     "position-wise": analyse_position_wise,
     "receptive-field": analyse_receptive_field,
+    "attention": analyse_attention,
     "compare": analyse_compare,
     "extrapolation": analyse_extrapolation,
 }

@@ -134,6 +134,26 @@ def receptive_field(series: List[Tuple[str, np.ndarray, int]], mass: float, leng
     _save(fig, path)
 
 
+def attention_by_distance(panels: List[Tuple[str, np.ndarray, List[str]]], length: int, path: str) -> None:
+    """A panel per model: each line (a layer, its heads' mean) the mean weight on the key ``d`` back."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.2), squeeze=False, sharey=True)
+    for ax, (title, curves, names) in zip(axes[0], panels):
+        d = np.arange(curves.shape[1])
+        for curve, name in zip(curves, names):
+            ax.plot(d + 1, curve, label=name, lw=1)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("distance d + 1")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("mean attention weight")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Attention on the key d tokens back, in segments of L = {length}", fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)
+
+
 def extrapolation(series: List[Tuple[str, str, Sequence[int], Sequence[float], Sequence[float], Sequence[float]]],
                   protocols: Sequence[str], train_lengths: Sequence[int], path: str) -> None:
     """Perplexity against evaluation length (log axis), one panel per protocol, one line per model

@@ -6,7 +6,8 @@ ignores keys farther than that. Counting the heads whose effective length is ``<
 for every ``x`` gives KERPLE's Figure 6b.
 """
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -21,6 +22,8 @@ from kerple_fairseq.analysis.layer_bias_curves import input_dependent, load_laye
 from kerple_fairseq.layer_biases import LAYER_BIASES
 
 KERNEL_PREFIX = "decoder.attention_bias.kernel."
+#: scalable softmax's per-head scale of layer N: decoder.layers.N.self_attn.query_scales.0.scale
+SSMAX_SCALE = re.compile(r"decoder\.layers\.(\d+)\.self_attn\.query_scales\.0\.scale")
 EFFECTIVE_LENGTH_THRESHOLD = -2.0
 
 
@@ -31,6 +34,8 @@ class CheckpointKernel:
     attention_window: int  # 0: none
     num_layers: int
     train_length: int
+    #: learned per-head values outside the kernel (scalable softmax's ``s_h`` of each layer), by name
+    other_values: Dict[str, List[float]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -53,7 +58,8 @@ class CheckpointKernel:
         empty for a kernel without constrained parameters."""
         values = getattr(self.kernel, "values", None)
         with torch.no_grad():
-            return {} if values is None else {name: v.double().tolist() for name, v in values().items()}
+            kernel = {} if values is None else {name: v.double().tolist() for name, v in values().items()}
+        return {**kernel, **self.other_values}
 
     def weight_curves(self, max_distance: int) -> Optional[np.ndarray]:
         """``W_h(d)`` of a weight kernel, else None."""
@@ -99,7 +105,17 @@ def _checkpoint_kernel(path: str, label: str, state: dict, name: str, model_cfg,
     except (KernelConfigError, RuntimeError) as e:
         raise UsageError(f"cannot rebuild the {name} kernel of {path}: {str(e).splitlines()[0]}") from e
     return CheckpointKernel(label, kernel.eval(), int(getattr(model_cfg, "attn_window", 0) or 0),
-                            int(model_cfg.decoder_layers), train_length)
+                            int(model_cfg.decoder_layers), train_length, ssmax_scales(state["model"]))
+
+
+def ssmax_scales(model_state: dict) -> Dict[str, List[float]]:
+    """Scalable softmax's learned ``s_h`` of each layer (``ssmax_s/layer1``, ...), from a model's state dict."""
+    scales = {}
+    for key, value in model_state.items():
+        match = SSMAX_SCALE.fullmatch(key)
+        if match:
+            scales[int(match.group(1))] = value.double().tolist()
+    return {f"ssmax_s/layer{layer + 1}": scales[layer] for layer in sorted(scales)}
 
 
 def effective_lengths(curves: np.ndarray, threshold: float = EFFECTIVE_LENGTH_THRESHOLD) -> List[Optional[int]]:

@@ -27,16 +27,22 @@ from kerple_fairseq.experiments.paths import SCRIPTS
 #: stock fairseq models by name: their position encoding (``none``: the causal mask alone)
 STOCK = {"none": ["--no-token-positional-embeddings"], "sinusoidal": []}
 DEFAULT_MODELS = ["none", "sinusoidal", "alibi", "kerple_log", "kerple_power", "t5"]
-#: after "+": DAPE v1 or v2, or CoPE, over the kernel
-SCORE_TRANSFORMS = {"": [], "dape": ["--dape", "mlp"], "dape-conv": ["--dape", "conv"], "cope": ["--cope"]}
+#: after "+": a method over the kernel: DAPE v1 or v2, CoPE, stick-breaking, selective attention, scalable
+#: softmax, rotary (with ReRoPE or leaky ReRoPE as if at 4x a training length of 512)
+ADDED_METHODS = {"": [], "dape": ["--dape", "mlp"], "dape-conv": ["--dape", "conv"], "cope": ["--cope"],
+                 "stick-breaking": ["--stick-breaking"], "selective": ["--selective-attention"], "ssmax": ["--ssmax"],
+                 "rotary": ["--rotary-embeddings"],
+                 **{f"rotary-{r}": ["--rotary-embeddings", "--rotary-scaling", r, "--tokens-per-sample", "512"]
+                    for r in ("rerope", "leaky-rerope")}}
 #: WikiText-103's vocabulary, the size of ``--wiki103``'s adaptive input and softmax
 WIKITEXT_103_VOCAB = 267735
 
 
 def model_flags(name: str, args: argparse.Namespace, extra: Sequence[str] = ()) -> list:
     """Stock ``transformer_lm`` for ``none`` and ``sinusoidal``, else the plugin with ``--bias-kernel KERNEL``
-    for ``name`` = ``KERNEL`` or ``KERNEL+dape`` / ``+dape-conv`` / ``+cope`` (with ``--dape mlp`` / ``conv``,
-    ``--cope``), each optionally followed by ``@BACKEND`` (``--attention-backend BACKEND``), and the
+    for ``name`` = ``KERNEL`` or ``KERNEL+METHOD`` (:data:`ADDED_METHODS`: ``+dape`` is ``--dape mlp``,
+    ``+cope`` ``--cope``, ``+stick-breaking`` ``--stick-breaking``, ...), each optionally followed by
+    ``@BACKEND`` (``--attention-backend BACKEND``), and the
     ``--model-args`` (then ``extra``). With ``--wiki103``, ALiBi's WikiText-103 architectures
     (``transformer_lm_wiki103``, ``transformer_lm_kerple_wiki103``) at their own size, else ``--layers``,
     ``--width`` and ``--heads``; every model long enough for every length measured."""
@@ -48,14 +54,14 @@ def model_flags(name: str, args: argparse.Namespace, extra: Sequence[str] = ()) 
         if backend:
             raise ValueError(f"model {name!r} is stock fairseq: it has no --attention-backend (@{backend})")
         return ["--arch", f"transformer_lm{wiki103}", *STOCK[name], *size, *positions]
-    kernel, _, transform = name.partition("+")
-    if transform not in SCORE_TRANSFORMS:
+    kernel, _, method = name.partition("+")
+    if method not in ADDED_METHODS:
         raise ValueError(f"unknown model {name!r}: a kernel name, optionally followed by "
-                         f"{' or '.join('+' + t for t in SCORE_TRANSFORMS if t)}")
+                         f"{' or '.join('+' + t for t in ADDED_METHODS if t)}")
     if backend and backend not in BACKENDS:
         raise ValueError(f"unknown attention backend @{backend} in {name}@{backend}: choose one of "
                          f"{', '.join('@' + b for b in BACKENDS)}")
-    return ["--arch", f"transformer_lm_kerple{wiki103}", "--bias-kernel", kernel, *SCORE_TRANSFORMS[transform],
+    return ["--arch", f"transformer_lm_kerple{wiki103}", "--bias-kernel", kernel, *ADDED_METHODS[method],
             *(["--attention-backend", backend] if backend else []), *size, *args.model_args, *extra, *positions]
 
 

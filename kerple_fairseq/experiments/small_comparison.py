@@ -105,7 +105,7 @@ def train(args: argparse.Namespace, data_bin: Path, name: str, seed: int, traine
 def analyse(args: argparse.Namespace, data_bin: Path, checkpoints: Dict[Run, Path]) -> Path:
     """kerple-analyze's figures and numbers in ``<out>/analysis``: perplexity against length and the
     paired comparison from the evaluation's files of every run (a model's seeds under its name), then
-    the four model analyses of each model's first seed."""
+    the five model analyses of each model's first seed."""
     out = args.out / "analysis"
     every_run = ["--labels", *(name for name, _ in checkpoints), "--out", out]
     first = {name: c for (name, seed), c in checkpoints.items() if seed == args.seeds[0]}
@@ -118,6 +118,7 @@ def analyse(args: argparse.Namespace, data_bin: Path, checkpoints: Dict[Run, Pat
         ["effective-length", *paths, "--data", data_bin],
         ["position-wise", *on_data, *paths, "--windowed-reference"],
         ["receptive-field", *on_data, *paths, "--num-segments", args.num_segments],
+        ["attention", *on_data, *paths],
     ]
     for analysis in analyses:
         stage(f"kerple-analyze {analysis[0]}")
@@ -163,5 +164,5 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
     print("\n" + text + "\n")
     figures = analyse(args, data_bin, {key: e.checkpoint for key, e in evaluated.items()})
     stage(f"figures and their numbers in {figures}: extrapolation, compare (paired-bootstrap intervals), kernels, "
-          "effective-length, position-wise, receptive-field (.png with the plots extra, .csv, .json)")
+          "effective-length, position-wise, receptive-field, attention (.png with the plots extra, .csv, .json)")
     stage(f"done in {(time.time() - started) / 60:.1f} min; results in {args.out}")
