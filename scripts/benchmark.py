@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kerple_fairseq.experiments.benchmark import DEFAULT_MODELS, PHASES, WIKITEXT_103_VOCAB, run  # noqa: E402
+from kerple_fairseq.experiments.benchmark import ADDED_METHODS, DEFAULT_MODELS, PHASES, WIKITEXT_103_VOCAB, run  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -38,8 +38,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--models", nargs="+", default=DEFAULT_MODELS,
-                   help="none, sinusoidal and any --bias-kernel name, which +dape, +dape-conv or +cope follows for "
-                   "DAPE v1 or v2 or CoPE over it, e.g. alibi+dape, none+cope; then optionally @BACKEND for "
+                   help="none, sinusoidal and any --bias-kernel name, which +METHOD may follow for a method over "
+                   f"it ({', '.join('+' + m for m in ADDED_METHODS if m)}), e.g. alibi+dape, none+stick-breaking; "
+                   "then optionally @BACKEND for "
                    "--attention-backend BACKEND, e.g. alibi@flex, alibi@sdpa (default: %(default)s)")
     p.add_argument("--baseline", default="none", help="the model the ratios divide by (added to --models if "
                    "missing; default: none)")

@@ -49,7 +49,7 @@ def tiny_args(**overrides):
     return argparse.Namespace(**{**args, **overrides})
 
 
-def test_models_name_a_kernel_and_optionally_dape_or_cope_over_it():
+def test_models_name_a_kernel_and_optionally_a_method_over_it():
     from kerple_fairseq.experiments.benchmark import build, model_flags
 
     args = tiny_args()
@@ -58,6 +58,9 @@ def test_models_name_a_kernel_and_optionally_dape_or_cope_over_it():
     assert model_flags("fire+dape-conv", args)[3:6] == ["fire", "--dape", "conv"]
     assert "--dape" not in model_flags("fox", args)
     assert model_flags("none+cope", args)[3:5] == ["none", "--cope"]
+    assert model_flags("alibi+stick-breaking", args)[3:5] == ["alibi", "--stick-breaking"]
+    rerope = build("none+rotary-leaky-rerope", args, "cpu").decoder.setup.rotary
+    assert rerope.scaling == "leaky-rerope" and rerope.rerope_window_size() == 128
     model = build("kerple_log+dape-conv", args, "cpu")
     assert model.decoder.layers[0].self_attn.score_transform is not None
     with pytest.raises(ValueError, match="unknown model 'alibi\\+rope'"):
