@@ -306,12 +306,14 @@ def test_readme_lists_every_kernel_and_option():
     from kerple_fairseq.attention.rotary import ROTARY_SCALINGS
 
     scalings = [f"--rotary-scaling {name}" for name in ROTARY_SCALINGS if name != "none"]
-    for name in [*KERNELS, *LAYER_BIASES, "--dape mlp", "--dape conv", "--rotary-xpos", *scalings]:
+    rules = ["--stick-breaking", "--selective-attention", "--ssmax", "--attn-temperature-tuning"]
+    for name in [*KERNELS, *LAYER_BIASES, "--dape mlp", "--dape conv", "--rotary-xpos", *scalings, *rules]:
         assert f"| `{name}` |" in readme, f"README's method table lacks {name}"
     assert "| `--cope` (`transformer_lm_cope`) |" in readme, "README's method table lacks CoPE"
     for f in option_fields() + layer_bias_option_fields():
         flag = "--" + f.name.replace("_", "-")
         assert flag in readme, f"README does not mention {flag}"
     for flag in ("--dape-width", "--dape-kernel-size", "--cope-max-positions", "--xpos-scale-base",
-                 "--rotary-scaling-length", "--dynamic-ntk-step"):
+                 "--rotary-scaling-length", "--dynamic-ntk-step", "--rerope-window", "--rerope-leak",
+                 "--ssmax-scale-init", "--attn-temperature-floor-scale", "--attn-temperature-scale"):
         assert flag in readme, f"README does not mention {flag}"
