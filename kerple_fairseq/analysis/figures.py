@@ -138,18 +138,21 @@ def attention_by_distance(panels: List[Tuple[str, np.ndarray, List[str]]], lengt
     """A panel per model: each line (a layer, its heads' mean) the mean weight on the key ``d`` back."""
     plt = pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3.2), squeeze=False, sharey=True)
+    floor = 1e-10  # weights below it (stick-breaking's far keys reach 1e-50) would flatten every other panel
     for ax, (title, curves, names) in zip(axes[0], panels):
         d = np.arange(curves.shape[1])
         for curve, name in zip(curves, names):
             ax.plot(d + 1, curve, label=name, lw=1)
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_ylim(floor, 1.5)
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("distance d + 1")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("mean attention weight")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"Attention on the key d tokens back, in segments of L = {length}", fontsize=10)
+    fig.suptitle(f"Attention on the key d tokens back, in segments of L = {length} (below {floor:g}: not drawn)",
+                 fontsize=10)
     fig.tight_layout()
     _save(fig, path)
 
