@@ -7,10 +7,14 @@ reads its sample (the first 2.5 MiB of training text, the complete validation an
 It preprocesses them into ``data-bin/``, trains the ``--models``
 (by default sinusoidal positions, ALiBi and KERPLE-log) with identical settings on CPU, scores
 the validation split with ``kerple-eval-lm`` under the early-token-cursed and last-token
-protocols at several lengths, prints a perplexity table (also written as markdown and JSON),
-and ends with ``kerple-analyze``'s figures: perplexity against length, paired-bootstrap
-intervals of each difference to the first model, kernel curves, effective lengths,
-position-wise perplexity and receptive field.
+protocols at several lengths, prints a perplexity table (also written as markdown and JSON)
+and the leaderboard over the ``--seeds`` (``leaderboard.{md,csv,png}``), and ends with
+``kerple-analyze``'s figures: perplexity against length, paired-bootstrap intervals of each
+difference to the first model, kernel curves, effective lengths, position-wise perplexity,
+receptive field and attention by distance.
+
+Finished trainings and evaluations are recorded in their run's directory: run again, the same
+command goes on where it stopped, and a changed option redoes only what it changes.
 """
 
 import argparse
@@ -23,7 +27,8 @@ sys.path.insert(0, str(REPO))  # this checkout's kerple_fairseq
 
 from kerple_fairseq.experiments.comparison import CommandFailed  # noqa: E402
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS  # noqa: E402
-from kerple_fairseq.experiments.small_comparison import DEFAULT_MODELS, compare, downloaded_sample, stage  # noqa: E402
+from kerple_fairseq.experiments.small_comparison import (  # noqa: E402
+    ANALYSES, DEFAULT_MODELS, compare, downloaded_sample, stage)
 from kerple_fairseq.kernels.constraints import PARAMETERIZATIONS  # noqa: E402
 from kerple_fairseq.experiments.wikitext103 import OFFICIAL_URL, PrepareError, missing_token_files  # noqa: E402
 
@@ -55,9 +60,11 @@ def parse_args():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seeds", type=int, nargs="+", default=[1],
                    help="train every model once per seed (default: 1); compare then reports the spread over seeds")
-    p.add_argument("--models", nargs="+", choices=list(POSITION_ENCODINGS), default=DEFAULT_MODELS,
-                   help=f"the models to train, alike but for their position encoding (default: {' '.join(DEFAULT_MODELS)}); "
-                   "the first is the baseline of the paired comparison")
+    p.add_argument("--models", nargs="+", choices=[*POSITION_ENCODINGS, "all"], default=DEFAULT_MODELS,
+                   help=f"the models to train, alike but for their position encoding (default: {' '.join(DEFAULT_MODELS)}; "
+                   "all: every one named here); the first is the baseline of the paired comparison")
+    p.add_argument("--analyses", nargs="*", choices=ANALYSES, default=list(ANALYSES),
+                   help="the kerple-analyze analyses run at the end (default: all; none with an empty list)")
     p.add_argument("--kernel-parameterization", choices=PARAMETERIZATIONS, default="clamp",
                    help="how KERPLE-log's parameters stay positive: clamp (KERPLE's reference, default) or softplus")
     return p.parse_args()
@@ -75,6 +82,10 @@ def main():
         if missing:
             fail(f"{args.wikitext_dir} lacks {', '.join(missing)}: give a directory with wiki.train.tokens, "
                  "wiki.valid.tokens and wiki.test.tokens (an unpacked wikitext-103-v1.zip), or none to download it")
+    if "all" in args.models:
+        if args.models != ["all"]:
+            fail("--models all stands alone: it names every model")
+        args.models = list(POSITION_ENCODINGS)
     if len(set(args.models)) != len(args.models):
         fail("--models names a model twice")
     if len(set(args.seeds)) != len(args.seeds):

@@ -25,9 +25,9 @@ POSITION_ENCODINGS = {
     "fox": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "fox"],
     "dape_alibi": ["--arch", "transformer_lm_alibi{size}", "--dape", "mlp"],
     "dape_kerple_log": ["--arch", "transformer_lm_kerple{size}", "--dape", "mlp"],
-    "rotary_ntk": ["--arch", "transformer_lm_rotary{size}", "--rotary-scaling", "ntk"],
-    "rotary_dynamic_ntk": ["--arch", "transformer_lm_rotary{size}", "--rotary-scaling", "dynamic-ntk"],
-    "rotary_yarn": ["--arch", "transformer_lm_rotary{size}", "--rotary-scaling", "yarn"],
+    "rotary_ntk": ["--arch", "transformer_lm_rotary{size}"],
+    "rotary_dynamic_ntk": ["--arch", "transformer_lm_rotary{size}"],
+    "rotary_yarn": ["--arch", "transformer_lm_rotary{size}"],
     "xpos": ["--arch", "transformer_lm_rotary{size}", "--rotary-xpos"],
     "cope": ["--arch", "transformer_lm_cope{size}"],
     "stick_breaking": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "none", "--stick-breaking"],
@@ -37,7 +37,9 @@ POSITION_ENCODINGS = {
     "rotary_leaky_rerope": ["--arch", "transformer_lm_rotary{size}"],
 }
 #: what a model is evaluated with on top (the same trained model)
-EVALUATED_WITH = {"rotary_rerope": ("--rotary-scaling", "rerope"), "rotary_leaky_rerope": ("--rotary-scaling", "leaky-rerope")}
+EVALUATED_WITH = {"rotary_ntk": ("--rotary-scaling", "ntk"), "rotary_dynamic_ntk": ("--rotary-scaling", "dynamic-ntk"),
+                  "rotary_yarn": ("--rotary-scaling", "yarn"), "rotary_rerope": ("--rotary-scaling", "rerope"),
+                  "rotary_leaky_rerope": ("--rotary-scaling", "leaky-rerope")}
 POSITION_PARAMETERS = ("embed_positions.", "attention_bias.kernel.", "self_attn.layer_bias.", "self_attn.score_transform.",
                        "self_attn.query_scales.")
 

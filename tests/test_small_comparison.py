@@ -1,9 +1,15 @@
 """scripts/small_comparison.py end to end at a tiny size: two models, two seeds each, trained,
-evaluated, tabulated and analysed, every number of the analyses traced back to the evaluations."""
+evaluated, tabulated, ranked and analysed, every number of the leaderboard and the analyses traced
+back to the evaluations; a run killed after its first model goes on where it stopped and ends with
+the same leaderboard, and a changed option redoes only what it changes."""
 
 import csv
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -11,16 +17,20 @@ import torch
 from conftest import REPO, run
 
 LENGTHS = (16, 32)
+SCRIPT = REPO / "scripts" / "small_comparison.py"
+
+
+def tiny_comparison(sample_dir, out, *options):
+    return [sys.executable, SCRIPT, "--wikitext-dir", sample_dir, "--data-bin", out / "data-bin", "--out", out / "runs",
+            "--vocab-size", "300", "--models", "nope", "alibi", "--seeds", "3", "4", "--train-length", "16",
+            "--eval-lengths", *map(str, LENGTHS), "--num-targets", "8", "--num-segments", "2", "--updates", "3",
+            "--max-tokens", "256", "--layers", "1", "--width", "16", "--heads", "2", *options]
 
 
 @pytest.fixture(scope="module")
 def comparison(sample_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("small-comparison")
-    proc = run([sys.executable, REPO / "scripts" / "small_comparison.py", "--wikitext-dir", sample_dir,
-                "--data-bin", out / "data-bin", "--out", out / "runs", "--vocab-size", "300",
-                "--models", "nope", "alibi", "--seeds", "3", "4", "--train-length", "16",
-                "--eval-lengths", *map(str, LENGTHS), "--num-targets", "8", "--num-segments", "2",
-                "--updates", "3", "--max-tokens", "256", "--layers", "1", "--width", "16", "--heads", "2"])
+    proc = run(tiny_comparison(sample_dir, out))
     return out / "runs", proc
 
 
@@ -60,3 +70,75 @@ def test_analyses_group_the_seeds_of_each_model(comparison):
     # the model analyses draw each model's first seed
     kernels = {r["model"] for r in csv.DictReader(open(runs / "analysis" / "kernels.csv"))}
     assert kernels == {"nope", "alibi"}
+
+
+@pytest.mark.slow
+def test_the_leaderboard_is_the_evaluations_over_seeds(comparison):
+    runs, proc = comparison
+    rows = list(csv.DictReader(open(runs / "leaderboard.csv")))
+    for name in ("nope", "alibi"):
+        evaluations = [json.loads((runs / f"{name}-seed{seed}" / "eval.json").read_text()) for seed in (3, 4)]
+        for r in evaluations[0]:
+            ppl = [next(e["ppl"] for e in records if (e["protocol"], e["length"]) == (r["protocol"], r["length"]))
+                   for records in evaluations]
+            row = next(x for x in rows if (x["model"], x["protocol"], int(x["length"]), x["reference"]) ==
+                       (name, r["protocol"], r["length"], ""))
+            assert [float(p) for p in row["ppl_by_seed"].split(";")] == ppl
+            assert float(row["mean"]) == pytest.approx(sum(ppl) / 2)
+    compared = json.loads((runs / "analysis" / "compare.json").read_text())["comparisons"]
+    for row in (x for x in rows if x["reference"] == "alibi"):
+        # compare's baseline is nope, so its differences are alibi's to nope: the leaderboard's, negated
+        seeds = [c for c in compared if (c["protocol"], c["length"]) == (row["protocol"], int(row["length"]))]
+        assert [float(d) for d in row["difference_by_seed"].split(";")] == pytest.approx(
+            [-c["difference"][0] for c in seeds], rel=1e-9)
+    assert (runs / "leaderboard.png").stat().st_size > 0
+    board = (runs / "leaderboard.md").read_text()
+    assert board.startswith("# Leaderboard: 2 position encodings, seeds 3, 4") and "## last-token at L=32, seed by seed" in board
+    assert "about" in proc.stdout and "4 of 4 models trained and evaluated" in proc.stdout
+
+
+def modified(runs):
+    return {p.relative_to(runs): p.stat().st_mtime_ns for p in runs.glob("*-seed*/*") if p.suffix in (".pt", ".npz")}
+
+
+@pytest.mark.slow
+def test_a_killed_comparison_goes_on_where_it_stopped(comparison, sample_dir, tmp_path):
+    cmd = tiny_comparison(sample_dir, tmp_path, "--analyses")
+    first = tmp_path / "runs" / "nope-seed3" / "evaluated.json"
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 600
+    while not first.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the script and the fairseq-train it started
+    proc.wait()
+    assert first.exists() and not (tmp_path / "runs" / "leaderboard.md").exists()
+    runs = tmp_path / "runs"
+    before = {k: v for k, v in modified(runs).items() if k.parts[0] == "nope-seed3"}
+
+    resumed = run(cmd)
+    assert "nope-seed3 is trained so already" in resumed.stdout and "nope-seed3 is evaluated so already" in resumed.stdout
+    assert "none), seed 3" not in resumed.stdout and "training alibi (--arch transformer_lm_alibi), seed 3" in resumed.stdout
+    assert resumed.stdout.count("training ") == 3
+    assert {k: v for k, v in modified(runs).items() if k.parts[0] == "nope-seed3"} == before
+    uninterrupted, _ = comparison
+    assert (runs / "leaderboard.csv").read_text() == (uninterrupted / "leaderboard.csv").read_text()
+    assert (runs / "leaderboard.md").read_text().split("\n## ")[1:] == (
+        uninterrupted / "leaderboard.md").read_text().split("\n## ")[1:]
+
+    finished = modified(runs)
+    again = run(cmd)  # nothing left to do
+    assert "training" not in again.stdout and "evaluating" not in again.stdout and modified(runs) == finished
+    fewer_targets = run(tiny_comparison(sample_dir, tmp_path, "--analyses", "--num-targets", "6"))
+    assert "training" not in fewer_targets.stdout and fewer_targets.stdout.count("evaluating ") == 4
+    more_updates = run(tiny_comparison(sample_dir, tmp_path, "--analyses", "--updates", "4"))
+    assert more_updates.stdout.count("training ") == 4
+    assert json.loads((runs / "alibi-seed4" / "trained.json").read_text())["key"]["fairseq-train"][-1] == "4"
+
+
+@pytest.mark.slow
+def test_models_all_stands_alone(sample_dir, tmp_path):
+    proc = run([sys.executable, SCRIPT, "--wikitext-dir", sample_dir, "--out", tmp_path, "--models", "all", "nope"],
+               check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "small_comparison: error: --models all stands alone: it names every model"

@@ -18,7 +18,6 @@ installed (the ``plots`` extra), ``<out>/<analysis>.png``; ``compare`` reads the
 """
 
 import argparse
-import csv
 import json
 import os
 import sys
@@ -31,6 +30,7 @@ import kerple_fairseq  # noqa: F401  (registers the plugin's models before check
 from kerple_fairseq.analysis import figures, significance
 from kerple_fairseq.analysis.attention_by_distance import attention_by_distance
 from kerple_fairseq.analysis.kernel_curves import effective_lengths, heads_within, load_kernel
+from kerple_fairseq.analysis.output_files import write_csv, write_json
 from kerple_fairseq.analysis.position_wise import binned_perplexity, position_wise_loss
 from kerple_fairseq.analysis.receptive_field import receptive_field, theoretical_receptive_field
 from kerple_fairseq.errors import KernelConfigError, UsageError
@@ -160,24 +160,6 @@ def check_arguments(args) -> List[str]:
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out} exists and is not a directory")
     return labels
-
-
-def write_csv(path: str, header: List[str], rows) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    partial = f"{path}.partial"
-    with open(partial, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(header)
-        writer.writerows(rows)
-    os.replace(partial, path)
-
-
-def write_json(path: str, value) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    partial = f"{path}.partial"
-    with open(partial, "w") as f:
-        json.dump(value, f, indent=1)
-    os.replace(partial, path)
 
 
 def draw(figure: Callable[[], None], png: str) -> bool:

@@ -184,3 +184,44 @@ def extrapolation(series: List[Tuple[str, str, Sequence[int], Sequence[float], S
     axes[0][0].set_ylabel("validation perplexity")
     axes[0][-1].legend(fontsize=8)
     _save(fig, path)
+
+
+def leaderboard(curves: List[Tuple[str, str, str, Sequence[int], Sequence[float], Sequence[float], Sequence[float]]],
+                families: Sequence[str], protocols: Sequence[str], train_length: int, reference: Optional[str],
+                path: str) -> None:
+    """Perplexity against evaluation length (log axes), a row per protocol and a column per family
+    (``curves``: label, family, protocol, lengths, mean perplexity over seeds, and its smallest and
+    largest seed, shaded); the ``reference`` model (ALiBi) is drawn in grey in every other family's
+    panels; dotted: the training length."""
+    plt = pyplot()
+    fig, axes = plt.subplots(len(protocols), len(families), figsize=(3.6 * len(families), 3.2 * len(protocols)),
+                             squeeze=False, sharex=True)
+    for row, protocol in zip(axes, protocols):
+        for ax, family in zip(row, families):
+            for label, f, p, lengths, mean, low, high in curves:
+                if p != protocol or (f != family and label != reference):
+                    continue
+                if f != family:
+                    ax.plot(lengths, mean, color="grey", ls="--", lw=1.2, label=label)
+                    continue
+                line, = ax.plot(lengths, mean, marker="o", ms=3, lw=1.5, label=label)
+                ax.fill_between(lengths, low, high, color=line.get_color(), alpha=0.2, lw=0)
+            ax.axvline(train_length, color="grey", ls=":", lw=1)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+            ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.ScalarFormatter())
+            all_lengths = sorted({n for _, _, _, lengths, *_ in curves for n in lengths})
+            ax.set_xticks(all_lengths)
+            ax.set_xticklabels([str(n) for n in all_lengths], rotation=45 if len(all_lengths) > 4 else 0)
+            ax.xaxis.set_minor_locator(plt.matplotlib.ticker.NullLocator())
+            ax.set_title(f"{family}\n{protocol}", fontsize=9)
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=7)
+        row[0].set_ylabel("validation perplexity")
+    for ax in axes[-1]:
+        ax.set_xlabel("evaluation length L")
+    fig.suptitle("Mean over seeds; shaded: the smallest to the largest seed; dashed grey: the reference in other "
+                 "families' panels; dotted: the training length", fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)

@@ -4,13 +4,16 @@ in markdown. The small CPU comparison and the reproduction of KERPLE's Table 10 
 
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Hashable, List, NamedTuple, Sequence, Tuple
 
+from kerple_fairseq.experiments.finished_steps import Step, file_digest
 from kerple_fairseq.experiments.paths import SCRIPTS
 
 PROTOCOLS = ("early-token-cursed", "last-token")  # also how kerple-eval-lm's result lines begin
+FILES_WRITTEN = ("--results-json", "--per-token", "--position-wise")  # kerple-eval-lm options naming an output
 
 
 class CommandFailed(Exception):
@@ -25,7 +28,7 @@ class Model(NamedTuple):
     """One model of a comparison."""
 
     key: Hashable  # how the results name it
-    train: Callable[[], Path]  # trains it (or finds it trained); returns its checkpoint
+    train: Callable[[], Tuple[Path, float]]  # trains it (or finds it trained): its checkpoint, the seconds spent now
     eval_flags: Sequence = ()  # more kerple-eval-lm options for it
 
 
@@ -38,7 +41,8 @@ class Evaluated(NamedTuple):
 class Comparison:
     """The models' common evaluation: ``data_bin``'s validation split at ``lengths``, the last-token
     protocol on ``num_targets`` targets, ``device_flags`` (``--cpu`` or ``--fp16``), each command
-    run by ``run`` (which raises :class:`CommandFailed`), and ``announce(model)`` said before each."""
+    run by ``run`` (which raises :class:`CommandFailed`), ``announce(model)`` said before each
+    evaluation that runs, and ``log`` told of skipped steps and progress."""
 
     data_bin: Path
     lengths: Sequence[int]
@@ -46,22 +50,42 @@ class Comparison:
     device_flags: Sequence[str]
     run: Callable[[list], None]
     announce: Callable[[Model], None] = lambda model: None
+    log: Callable[[str], None] = lambda line: None
 
-    def evaluate(self, model: Model, checkpoint: Path) -> List[dict]:
-        """kerple-eval-lm's records of every protocol at every length; also in ``eval.json`` beside the checkpoint."""
+    def evaluate(self, model: Model, checkpoint: Path) -> Tuple[List[dict], float]:
+        """kerple-eval-lm's records of every protocol at every length (also in ``eval.json`` beside the
+        checkpoint), and the seconds spent now: none when this checkpoint was evaluated so before."""
         results = checkpoint.parent / "eval.json"
-        self.run([sys.executable, SCRIPTS / "eval_lm.py", self.data_bin, "--path", checkpoint, "--gen-subset", "valid",
-                  "--protocol", "all", "--lengths", *self.lengths, "--num-targets", self.num_targets,
-                  "--max-tokens", 16384, "--results-json", results, *self.device_flags, *model.eval_flags])
-        return json.loads(results.read_text())
+        cmd = [SCRIPTS / "eval_lm.py", self.data_bin, "--path", checkpoint, "--gen-subset", "valid",
+               "--protocol", "all", "--lengths", *self.lengths, "--num-targets", self.num_targets,
+               "--max-tokens", 16384, "--results-json", results, *self.device_flags, *model.eval_flags]
+        step = Step(checkpoint.parent / "evaluated.json",
+                    {"command": [str(c) for c in cmd], "checkpoint": file_digest(checkpoint)},
+                    [Path(str(cmd[k + 1])) for k, c in enumerate(cmd) if c in FILES_WRITTEN])
+        if step.finished() is not None:
+            self.log(f"{checkpoint.parent.name} is evaluated so already: reading {results}")
+            return json.loads(results.read_text()), 0.0
+        self.announce(model)
+        step.forget()
+        started = time.time()
+        self.run([sys.executable, *cmd])
+        step.complete(time.time() - started)
+        return json.loads(results.read_text()), time.time() - started
 
     def train_and_evaluate(self, models: Sequence[Model]) -> Dict[Hashable, Evaluated]:
-        """Each model in turn trained, then evaluated; by its key."""
-        evaluated = {}
-        for model in models:
-            checkpoint = model.train()
-            self.announce(model)
-            evaluated[model.key] = Evaluated(checkpoint, self.evaluate(model, checkpoint))
+        """Each model in turn trained, then evaluated (each step skipped where it finished before); by its
+        key. After each, how many are done and an estimate of the time left: the mean time of the models
+        that needed work so far, times the models left."""
+        evaluated, worked, spent = {}, 0, 0.0
+        for done, model in enumerate(models, 1):
+            checkpoint, training = model.train()
+            records, evaluation = self.evaluate(model, checkpoint)
+            evaluated[model.key] = Evaluated(checkpoint, records)
+            if training + evaluation > 0:
+                worked, spent = worked + 1, spent + training + evaluation
+            left = len(models) - done
+            estimate = f"; about {spent / worked * left / 60:.0f} min left" if worked and left else ""
+            self.log(f"{done} of {len(models)} models trained and evaluated{estimate}")
         return evaluated
 
 

@@ -8,11 +8,19 @@ from kerple_fairseq.kernels import kernel_names
 from kerple_fairseq.layer_biases import layer_bias_names
 
 
+# the families of the leaderboard's figure, a panel each, in its order
+ABSOLUTE, BIAS, DAPE, ROTARY, CONTEXTUAL = (
+    "absolute or none", "additive bias", "DAPE", "rotary", "contextual and attention rules")
+FAMILIES = (ABSOLUTE, BIAS, DAPE, ROTARY, CONTEXTUAL)
+
+
 class PositionEncoding(NamedTuple):
     label: str  # its name in tables
     architecture: str  # transformer_lm_<architecture>, or transformer_lm_<architecture>_wiki103
     flags: Tuple[str, ...] = ()
     eval_flags: Tuple[str, ...] = ()  # kerple-eval-lm options: an evaluation-time method on the trained model
+    family: str = BIAS  # one of FAMILIES
+    baseline: str = "alibi"  # the name of what it adds to (its family's baseline), compared besides ALiBi
 
     def model_flags(self, wiki103: bool = False) -> List[str]:
         """fairseq flags of the model: the architecture (ALiBi's WikiText-103 one if ``wiki103``) and its options."""
@@ -20,31 +28,40 @@ class PositionEncoding(NamedTuple):
 
 
 POSITION_ENCODINGS = {
-    "sinusoidal": PositionEncoding("sinusoidal", "sinusoidal"),
-    "rotary": PositionEncoding("rotary", "rotary"),
-    "nope": PositionEncoding("NoPE", "kerple", ("--bias-kernel", "none")),
+    "sinusoidal": PositionEncoding("sinusoidal", "sinusoidal", family=ABSOLUTE),
+    "rotary": PositionEncoding("rotary", "rotary", family=ROTARY),
+    "nope": PositionEncoding("NoPE", "kerple", ("--bias-kernel", "none"), family=ABSOLUTE),
     "t5": PositionEncoding("T5", "kerple", ("--bias-kernel", "t5")),
     "alibi": PositionEncoding("ALiBi", "alibi"),
     "kerple_log": PositionEncoding("KERPLE-log", "kerple"),
     "fire": PositionEncoding("FIRE", "kerple", ("--bias-kernel", "fire")),
     "fox": PositionEncoding("FoX", "kerple", ("--bias-kernel", "fox")),
-    "dape_alibi": PositionEncoding("DAPE-ALiBi", "alibi", ("--dape", "mlp")),
-    "dape_kerple_log": PositionEncoding("DAPE-KERPLE-log", "kerple", ("--dape", "mlp")),
-    # rotary trained as `rotary` is, then scaled at evaluation: by s = L / L_train at every evaluated length,
-    "rotary_ntk": PositionEncoding("rotary+NTK", "rotary", ("--rotary-scaling", "ntk")),
+    "dape_alibi": PositionEncoding("DAPE-ALiBi", "alibi", ("--dape", "mlp"), family=DAPE),
+    "dape_kerple_log": PositionEncoding("DAPE-KERPLE-log", "kerple", ("--dape", "mlp"), family=DAPE,
+                                        baseline="kerple_log"),
+    # rotary trained as `rotary` is (one checkpoint), then scaled at evaluation: by s = L / L_train at every
+    # evaluated length,
+    "rotary_ntk": PositionEncoding("rotary+NTK", "rotary", eval_flags=("--rotary-scaling", "ntk"), family=ROTARY,
+                                   baseline="rotary"),
     # the same, with each query's own scale: the length it has reached over L_train
-    "rotary_dynamic_ntk": PositionEncoding("rotary+dynamic NTK", "rotary", ("--rotary-scaling", "dynamic-ntk")),
-    "rotary_yarn": PositionEncoding("rotary+YaRN", "rotary", ("--rotary-scaling", "yarn")),
-    "xpos": PositionEncoding("xPos", "rotary", ("--rotary-xpos",)),
-    "cope": PositionEncoding("CoPE", "cope"),
+    "rotary_dynamic_ntk": PositionEncoding("rotary+dynamic NTK", "rotary", eval_flags=("--rotary-scaling", "dynamic-ntk"),
+                                           family=ROTARY, baseline="rotary"),
+    "rotary_yarn": PositionEncoding("rotary+YaRN", "rotary", eval_flags=("--rotary-scaling", "yarn"), family=ROTARY,
+                                    baseline="rotary"),
+    "xpos": PositionEncoding("xPos", "rotary", ("--rotary-xpos",), family=ROTARY, baseline="rotary"),
+    "cope": PositionEncoding("CoPE", "cope", family=CONTEXTUAL, baseline="nope"),
     # no position encoding: the stick's order is the recency bias
-    "stick_breaking": PositionEncoding("stick-breaking", "kerple", ("--bias-kernel", "none", "--stick-breaking")),
-    "selective": PositionEncoding("NoPE+selective", "kerple", ("--bias-kernel", "none", "--selective-attention")),
-    "ssmax": PositionEncoding("rotary+SSMax", "rotary", ("--ssmax",)),
+    "stick_breaking": PositionEncoding("stick-breaking", "kerple", ("--bias-kernel", "none", "--stick-breaking"),
+                                       family=CONTEXTUAL, baseline="nope"),
+    "selective": PositionEncoding("NoPE+selective", "kerple", ("--bias-kernel", "none", "--selective-attention"),
+                                  family=CONTEXTUAL, baseline="nope"),
+    "ssmax": PositionEncoding("rotary+SSMax", "rotary", ("--ssmax",), family=ROTARY, baseline="rotary"),
     # rotary trained as `rotary` is, evaluated with ReRoPE's clamped (or leaky) relative positions
-    "rotary_rerope": PositionEncoding("rotary+ReRoPE", "rotary", eval_flags=("--rotary-scaling", "rerope")),
+    "rotary_rerope": PositionEncoding("rotary+ReRoPE", "rotary", eval_flags=("--rotary-scaling", "rerope"),
+                                      family=ROTARY, baseline="rotary"),
     "rotary_leaky_rerope": PositionEncoding("rotary+leaky ReRoPE", "rotary",
-                                            eval_flags=("--rotary-scaling", "leaky-rerope")),
+                                            eval_flags=("--rotary-scaling", "leaky-rerope"), family=ROTARY,
+                                            baseline="rotary"),
 }
 # learned positions are not among them: they cannot be evaluated beyond the training length
 

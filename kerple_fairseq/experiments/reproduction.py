@@ -5,6 +5,7 @@ evaluated under the early-token-cursed and last-token protocols, beside the publ
 import argparse
 import subprocess
 import sys
+import time
 from functools import partial
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -38,9 +39,10 @@ def run_dir(args: argparse.Namespace, model: str, length: int, seed: int) -> Pat
     return args.out / (f"{model}-{length}" + ("" if seed == 1 else f"-seed{seed}"))
 
 
-def train(args: argparse.Namespace, extra: List[str], run, model: str, length: int, seed: int) -> Path:
+def train(args: argparse.Namespace, extra: List[str], run, model: str, length: int, seed: int) -> Tuple[Path, float]:
     """The training script on ``model`` at ``length`` with ``seed`` (resuming or reusing an earlier run);
-    its best checkpoint, or its last if it kept no best."""
+    its best checkpoint, or its last if it kept no best, and the seconds it took."""
+    started = time.time()
     save_dir = run_dir(args, model, length, seed)
     cmd = [sys.executable, SCRIPTS / "train_wikitext_103.py", model, "--data", args.data,
            "--save-dir", save_dir, "--train-length", length, *extra, "--seed", seed]
@@ -50,7 +52,7 @@ def train(args: argparse.Namespace, extra: List[str], run, model: str, length: i
         cmd += ["--cpu-processes", args.cpu_processes]
     run(cmd)
     best = save_dir / "checkpoint_best.pt"
-    return best if best.is_file() else save_dir / "checkpoint_last.pt"
+    return best if best.is_file() else save_dir / "checkpoint_last.pt", time.time() - started
 
 
 def table(results: Dict[Tuple[int, str, int], list], lengths) -> str:
@@ -75,7 +77,8 @@ def reproduce(args: argparse.Namespace, extra: List[str], prog: str) -> None:
 
     use_gpu = torch.cuda.is_available() and not (args.tiny or args.cpu_processes)
     run = partial(announced_run, prog)
-    comparison = Comparison(args.data, args.eval_lengths, args.num_targets, ["--fp16"] if use_gpu else ["--cpu"], run)
+    comparison = Comparison(args.data, args.eval_lengths, args.num_targets, ["--fp16"] if use_gpu else ["--cpu"], run,
+                            log=lambda line: print(f"{prog}: {line}", file=sys.stderr, flush=True))
     evaluated = comparison.train_and_evaluate([
         Model((length, model, seed), partial(train, args, extra, run, model, length, seed),
               eval_flags=[*POSITION_ENCODINGS[model].eval_flags,

@@ -1,7 +1,9 @@
 """The small offline comparison of position encodings on CPU: small models trained alike but for their
 position encoding, evaluated under the early-token-cursed and last-token protocols at several lengths,
-tabulated, and analysed by kerple-analyze (perplexity against length, paired-bootstrap intervals,
-kernel curves, effective lengths, position-wise perplexity, receptive field)."""
+tabulated, ranked on a leaderboard over seeds, and analysed by kerple-analyze (perplexity against
+length, paired-bootstrap intervals, kernel curves, effective lengths, position-wise perplexity,
+receptive field, attention by distance). Every finished training and evaluation is recorded
+(:mod:`finished_steps`), so the same command after an interruption goes on where it stopped."""
 
 import argparse
 import json
@@ -9,16 +11,20 @@ import shutil
 import subprocess
 import sys
 import time
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+from kerple_fairseq.analysis import figures, leaderboard
+from kerple_fairseq.analysis.output_files import write_csv
+from kerple_fairseq.evaluation import per_token
 from kerple_fairseq.evaluation.checkpoint_file import data_only_environment
 from kerple_fairseq.experiments.comparison import (
-    PROTOCOLS, CommandFailed, Comparison, Model, markdown_table, protocol_rows)
+    PROTOCOLS, CommandFailed, Comparison, Evaluated, Model, markdown_table, protocol_rows)
+from kerple_fairseq.experiments.finished_steps import Step, data_bin_fingerprint
 from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.experiments.paths import BIN, SCRIPTS, USER_DIR
-from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS
+from kerple_fairseq.experiments.position_encodings import FAMILIES, POSITION_ENCODINGS
 from kerple_fairseq.experiments.recipe import cpu_training_flags
 from kerple_fairseq.experiments.wikitext103 import OFFICIAL_MD5, archive_tokens, preprocess, sample
 
@@ -75,37 +81,52 @@ def run(cmd: list, log: Optional[Path] = None, show: Callable[[str], bool] = tra
         raise CommandFailed(Path(str(cmd[0])).name, proc.returncode)
 
 
-def train(args: argparse.Namespace, data_bin: Path, name: str, seed: int, trained: Dict[tuple, Path]) -> Path:
-    """fairseq-train of model ``name`` with ``seed`` from scratch in its run's directory; returns its last
-    checkpoint. A model trained as one already in ``trained`` (by flags and seed: ReRoPE's rotary
-    model) gets a copy of that checkpoint instead; ``trained`` records each new one."""
+def train(args: argparse.Namespace, data_bin: Path, data: str, name: str, seed: int,
+          trained: Dict[str, Path]) -> Tuple[Path, float]:
+    """fairseq-train of model ``name`` with ``seed`` from scratch in its run's directory, on ``data_bin``
+    (whose fingerprint is ``data``); its last checkpoint and the seconds spent now. A run finished
+    before with the same options is kept; one cut short is started again. A model trained as one
+    already in ``trained`` (by options: ReRoPE's rotary model) gets a copy of that checkpoint instead;
+    ``trained`` records each."""
     save_dir = args.out / run_name(args, name, seed)
-    if save_dir.exists():
-        shutil.rmtree(save_dir)
+    checkpoint = save_dir / "checkpoint_last.pt"
+    flags = [str(f) for f in [
+        *POSITION_ENCODINGS[name].model_flags(), "--kernel-parameterization", args.kernel_parameterization,
+        *model_size_flags(args.layers, args.width, args.heads, dropout=0.1),
+        *cpu_training_flags(args.train_length, args.max_tokens, lr=0.002, warmup_updates=20, seed=seed,
+                            log_format="simple", log_interval=25, adam_betas="(0.9, 0.98)", clip_norm=1.0),
+        "--max-update", args.updates]]
+    step = Step(save_dir / "trained.json", {"fairseq-train": flags, "data": data}, [checkpoint])
+    options = json.dumps(step.key, sort_keys=True)
+    if step.finished() is not None:
+        stage(f"{save_dir.name} is trained so already: keeping {checkpoint}")
+        trained.setdefault(options, checkpoint)
+        return checkpoint, 0.0
+    tensorboard = args.out / "tensorboard" / save_dir.name
+    for earlier in (save_dir, tensorboard):
+        shutil.rmtree(earlier, ignore_errors=True)
     save_dir.mkdir(parents=True)
-    model_flags = POSITION_ENCODINGS[name].model_flags()
-    same = trained.get((tuple(model_flags), seed))
+    started = time.time()
+    same = trained.get(options)
     if same is not None:
         stage(f"{name} is trained as {same.parent.name} is: evaluating a copy of its checkpoint")
-        shutil.copyfile(same, save_dir / same.name)
-        return save_dir / same.name
-    stage(f"training {name} ({' '.join(model_flags)}), seed {seed}, {args.updates} updates")
-    run([BIN / "fairseq-train", data_bin, "--user-dir", USER_DIR, *model_flags,
-         "--kernel-parameterization", args.kernel_parameterization,
-         *model_size_flags(args.layers, args.width, args.heads, dropout=0.1),
-         *cpu_training_flags(args.train_length, args.max_tokens, lr=0.002, warmup_updates=20, seed=seed,
-                             log_format="simple", log_interval=25, adam_betas="(0.9, 0.98)", clip_norm=1.0),
-         "--max-update", args.updates, "--save-dir", save_dir,
-         "--tensorboard-logdir", args.out / "tensorboard" / save_dir.name],
-        log=save_dir / "train.log")
-    trained[(tuple(model_flags), seed)] = save_dir / "checkpoint_last.pt"
-    return save_dir / "checkpoint_last.pt"
+        shutil.copyfile(same, checkpoint)
+    else:
+        stage(f"training {name} ({' '.join(POSITION_ENCODINGS[name].model_flags())}), seed {seed}, {args.updates} updates")
+        run([BIN / "fairseq-train", data_bin, "--user-dir", USER_DIR, *flags, "--save-dir", save_dir,
+             "--tensorboard-logdir", tensorboard], log=save_dir / "train.log")
+    step.complete(time.time() - started)
+    trained[options] = checkpoint
+    return checkpoint, time.time() - started
+
+
+ANALYSES = ("extrapolation", "compare", "kernels", "effective-length", "position-wise", "receptive-field", "attention")
 
 
 def analyse(args: argparse.Namespace, data_bin: Path, checkpoints: Dict[Run, Path]) -> Path:
-    """kerple-analyze's figures and numbers in ``<out>/analysis``: perplexity against length and the
-    paired comparison from the evaluation's files of every run (a model's seeds under its name), then
-    the five model analyses of each model's first seed."""
+    """kerple-analyze's figures and numbers in ``<out>/analysis``, those of ``args.analyses``:
+    perplexity against length and the paired comparison from the evaluation's files of every run (a
+    model's seeds under its name), then the five model analyses of each model's first seed."""
     out = args.out / "analysis"
     every_run = ["--labels", *(name for name, _ in checkpoints), "--out", out]
     first = {name: c for (name, seed), c in checkpoints.items() if seed == args.seeds[0]}
@@ -120,7 +141,7 @@ def analyse(args: argparse.Namespace, data_bin: Path, checkpoints: Dict[Run, Pat
         ["receptive-field", *on_data, *paths, "--num-segments", args.num_segments],
         ["attention", *on_data, *paths],
     ]
-    for analysis in analyses:
+    for analysis in (a for a in analyses if a[0] in args.analyses):
         stage(f"kerple-analyze {analysis[0]}")
         run([sys.executable, SCRIPTS / "analyze.py", *analysis],
             show=lambda line: line.startswith((*first, "kerple-analyze", *PROTOCOLS, " ")))
@@ -133,6 +154,58 @@ def table(results: Dict[str, List[dict]], lengths) -> str:
     return markdown_table(["model", "protocol"], rows, lengths)
 
 
+def duration(seconds: float) -> str:
+    minutes = round(seconds / 60)
+    return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min"
+
+
+def write_leaderboard(args: argparse.Namespace, evaluated: Dict[Run, Evaluated]) -> str:
+    """The leaderboard of every model over ``args.seeds`` in ``<out>/leaderboard.{md,csv,png}``; its markdown."""
+    entrants = [leaderboard.Entrant(name, POSITION_ENCODINGS[name].label, POSITION_ENCODINGS[name].family,
+                                    ["alibi", POSITION_ENCODINGS[name].baseline],
+                                    [evaluated[name, seed].records for seed in args.seeds])
+                for name in args.models]
+
+    @lru_cache(maxsize=16)  # the references' files are read again for every model
+    def scores(name: str, k: int):
+        return per_token.load(str(args.out / run_name(args, name, args.seeds[k]) / "per-token.npz")).scored
+
+    board = leaderboard.build(entrants, args.seeds, args.train_length, scores)
+    seconds = sum(json.loads((args.out / run_name(args, name, seed) / record).read_text())["seconds"]
+                  for name in args.models for seed in args.seeds for record in ("trained.json", "evaluated.json"))
+    short, long_ = board.train_length, board.longest
+    text = [f"# Leaderboard: {len(args.models)} position encodings, seed{'s' * (len(args.seeds) > 1)} "
+            f"{', '.join(map(str, args.seeds))}",
+            "",
+            f"Validation perplexity, mean ± sample standard deviation over the seeds, trained at L={short} "
+            f"for {args.updates} updates of {args.max_tokens} tokens; {args.layers} layers, width {args.width}, "
+            f"{args.heads} heads, {args.vocab_size or 'full'} vocabulary. Ranked by the mean at L={long_}. "
+            f"A difference (model − reference, seed by seed, each with its paired-bootstrap "
+            f"{100 * board.confidence:g}% interval) is resolved when every seed has the same sign and an interval "
+            f"excluding zero. Training and evaluation took {duration(seconds)} in all on this machine "
+            "(the sum of the recorded steps)."]
+    for protocol in board.protocols:
+        text += ["", f"## {protocol}", "", leaderboard.markdown(board, protocol)]
+    for protocol in board.protocols:
+        text += ["", f"## {protocol} at L={long_}, seed by seed", "", leaderboard.seed_markdown(board, protocol, long_)]
+    text += ["", "## Every length", "", leaderboard.lengths_markdown(board)]
+    markdown = "\n".join(text) + "\n"
+    (args.out / "leaderboard.md").write_text(markdown)
+    header, rows = leaderboard.csv_rows(board)
+    write_csv(str(args.out / "leaderboard.csv"), header, rows)
+    curves = [(e.label, e.family, protocol, board.lengths, [board.mean(e.name, protocol, n) for n in board.lengths],
+               [min(board.ppl[e.name, protocol, n]) for n in board.lengths],
+               [max(board.ppl[e.name, protocol, n]) for n in board.lengths])
+              for e in entrants for protocol in board.protocols]
+    families = [f for f in FAMILIES if any(e.family == f for e in entrants)]
+    try:
+        figures.leaderboard(curves, families, board.protocols, short, POSITION_ENCODINGS["alibi"].label,
+                            str(args.out / "leaderboard.png"))
+    except figures.PlotsUnavailable as e:
+        stage(str(e))
+    return markdown
+
+
 def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
     """The whole comparison with ``scripts/small_comparison.py``'s options ``args``: ``tokens_dir``
     preprocessed into ``data_bin``, then results, table and figures in ``args.out``. Raises
@@ -143,14 +216,16 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
         data_bin, args.eval_lengths, args.num_targets, ["--cpu", "--no-progress-bar"], run,
         announce=lambda model: stage(
             f"evaluating {run_name(args, *model.key)} at lengths {', '.join(map(str, args.eval_lengths))}: early-token-cursed "
-            f"(every token, non-overlapping blocks) and last-token ({args.num_targets} targets)"))
-    trained: Dict[tuple, Path] = {}
+            f"(every token, non-overlapping blocks) and last-token ({args.num_targets} targets)"),
+        log=stage)
+    data = data_bin_fingerprint(data_bin)
+    trained: Dict[str, Path] = {}
     evaluated = comparison.train_and_evaluate([
-        Model((name, seed), partial(train, args, data_bin, name, seed, trained),
+        Model((name, seed), partial(train, args, data_bin, data, name, seed, trained),
               eval_flags=[*POSITION_ENCODINGS[name].eval_flags,
                           "--position-wise", args.out / run_name(args, name, seed) / "position-wise.csv",
                           "--per-token", args.out / run_name(args, name, seed) / "per-token.npz"])
-        for name in args.models for seed in args.seeds])
+        for seed in args.seeds for name in args.models])  # every model's first seed before any second
     results = {run_name(args, *key): e.records for key, e in evaluated.items()}
     text = (f"Validation perplexity (early-token-cursed: every token, non-overlapping blocks; last-token: "
             f"the same {args.num_targets} targets after L-1 tokens), trained at L={args.train_length} "
@@ -162,7 +237,10 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
     (args.out / "results.md").write_text(text + "\n")
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     print("\n" + text + "\n")
-    figures = analyse(args, data_bin, {key: e.checkpoint for key, e in evaluated.items()})
-    stage(f"figures and their numbers in {figures}: extrapolation, compare (paired-bootstrap intervals), kernels, "
-          "effective-length, position-wise, receptive-field, attention (.png with the plots extra, .csv, .json)")
+    stage(f"the leaderboard: {args.out / 'leaderboard.md'} (.csv, .png)")
+    print(write_leaderboard(args, evaluated))
+    figures_dir = analyse(args, data_bin, {key: e.checkpoint for key, e in evaluated.items()})
+    if args.analyses:
+        stage(f"figures and their numbers in {figures_dir}: {', '.join(args.analyses)} (.png with the plots extra, "
+              ".csv, .json)")
     stage(f"done in {(time.time() - started) / 60:.1f} min; results in {args.out}")

@@ -1,0 +1,200 @@
+"""One table of many models, each trained with several seeds: which extrapolate, in what order, and
+which differences survive a change of seed.
+
+For each model, protocol and evaluated length: the mean perplexity over the seeds and its sample
+standard deviation; the model's rank (1: lowest mean) at the training length and at the longest
+length; its change from the one to the other. Against each of its references (ALiBi, and the
+baseline of its own family: rotary for the rotary family, the underlying kernel for DAPE), seed by
+seed: the difference in perplexity with its paired-bootstrap interval (the k-th seed of the model
+against the k-th seed of the reference, on the same scored tokens; see :mod:`significance`). The
+verdict on a difference is *resolved* when its sign is the same in every seed and every seed's
+interval excludes zero, and *not resolved* otherwise.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from kerple_fairseq.analysis import significance
+from kerple_fairseq.errors import UsageError
+from kerple_fairseq.evaluation.per_token import TokenScores
+from kerple_fairseq.evaluation.spans import PROTOCOLS
+
+RESOLVED, NOT_RESOLVED = "resolved", "not resolved"
+
+
+@dataclass
+class Entrant:
+    """A model on the board: its ``name`` (as the comparison knows it), table ``label``, ``family``,
+    the names it is compared against, and each seed's kerple-eval-lm records, in the board's seed order."""
+
+    name: str
+    label: str
+    family: str
+    references: List[str]
+    records: List[List[dict]]
+
+
+@dataclass
+class Versus:
+    """A model against a reference at one protocol and length, seed by seed."""
+
+    model: str
+    reference: str
+    protocol: str
+    length: int
+    difference: List[float]  # model's perplexity - reference's, by seed
+    interval: List[List[float]]  # its paired-bootstrap interval, by seed
+
+    @property
+    def verdict(self) -> str:
+        signs = {int(np.sign(d)) for d in self.difference}
+        excluded = all(low > 0 for low, _ in self.interval) or all(high < 0 for _, high in self.interval)
+        return RESOLVED if len(signs) == 1 and 0 not in signs and excluded else NOT_RESOLVED
+
+
+@dataclass
+class Leaderboard:
+    seeds: List[int]
+    train_length: int
+    lengths: List[int]
+    protocols: List[str]  # those evaluated, in kerple-eval-lm's order
+    entrants: List[Entrant]
+    confidence: float
+    ppl: Dict[Tuple[str, str, int], List[float]] = field(default_factory=dict)  # (model, protocol, length): by seed
+    versus: List[Versus] = field(default_factory=list)
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths)
+
+    def mean(self, model: str, protocol: str, length: int) -> float:
+        return float(np.mean(self.ppl[model, protocol, length]))
+
+    def sd(self, model: str, protocol: str, length: int) -> float:
+        """The sample standard deviation over seeds (NaN for one seed)."""
+        values = self.ppl[model, protocol, length]
+        return float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
+
+    def ranks(self, protocol: str, length: int) -> Dict[str, int]:
+        """1 for the lowest mean perplexity; ties share the better rank."""
+        means = {e.name: self.mean(e.name, protocol, length) for e in self.entrants}
+        return {name: 1 + sum(other < m for other in means.values()) for name, m in means.items()}
+
+    def change(self, model: str, protocol: str) -> float:
+        """Mean perplexity at the longest length over that at the training length, less one."""
+        return self.mean(model, protocol, self.longest) / self.mean(model, protocol, self.train_length) - 1
+
+    def against(self, model: str, protocol: str, length: int) -> List[Versus]:
+        return [v for v in self.versus if (v.model, v.protocol, v.length) == (model, protocol, length)]
+
+
+def build(entrants: Sequence[Entrant], seeds: Sequence[int], train_length: int,
+          scores: Callable[[str, int], Dict[Tuple[str, int], TokenScores]],
+          samples: int = 1000, bootstrap_seed: int = 1, confidence: float = 0.95) -> Leaderboard:
+    """The board of ``entrants``, each trained with every one of ``seeds``; ``scores(name, k)`` gives the
+    per-token scores of model ``name``'s k-th seed by protocol and length."""
+    names = [e.name for e in entrants]
+    lengths = sorted({r["length"] for e in entrants for records in e.records for r in records})
+    protocols = [p for p in PROTOCOLS if any(r["protocol"] == p for e in entrants for records in e.records for r in records)]
+    if train_length not in lengths:
+        raise UsageError(f"the training length {train_length} is not among the evaluated lengths {lengths}")
+    board = Leaderboard(list(seeds), train_length, lengths, protocols, list(entrants), confidence)
+    for e in entrants:
+        if len(e.records) != len(seeds):
+            raise UsageError(f"{e.name} has {len(e.records)} evaluated seeds, the board {len(seeds)}")
+        for protocol in protocols:
+            for n in lengths:
+                ppl = [next((r["ppl"] for r in records if (r["protocol"], r["length"]) == (protocol, n)), None)
+                       for records in e.records]
+                if None in ppl:
+                    raise UsageError(f"{e.name} lacks {protocol} at L={n} in some seed")
+                board.ppl[e.name, protocol, n] = ppl
+    for e in entrants:
+        references = [r for r in e.references if r in names and r != e.name]
+        versus = {(r, p, n): Versus(e.name, r, p, n, [], []) for r in references for p in protocols for n in lengths}
+        for k in range(len(seeds)):
+            mine = scores(e.name, k)
+            for (reference, protocol, n), v in versus.items():
+                c = significance.compare(protocol, n, [reference, e.name], [scores(reference, k)[protocol, n],
+                                                                            mine[protocol, n]],
+                                         samples, bootstrap_seed, confidence, replicate=k + 1)
+                v.difference.append(c.difference[0])
+                v.interval.append(c.difference_interval[0])
+        board.versus.extend(versus.values())
+    return board
+
+
+def _mean_sd(board: Leaderboard, model: str, protocol: str, length: int) -> str:
+    sd = board.sd(model, protocol, length)
+    return f"{board.mean(model, protocol, length):.2f}" + ("" if np.isnan(sd) else f" ± {sd:.2f}")
+
+
+def _versus_cell(v: Versus) -> str:
+    return f"{np.mean(v.difference):+.2f}, {v.verdict}"
+
+
+def markdown(board: Leaderboard, protocol: str) -> str:
+    """The board under ``protocol``, best first at the longest length: ranks, mean ± sd at the training
+    and the longest length, the change between them, and the mean difference to each reference at the
+    longest length with its verdict."""
+    labels = {e.name: e.label for e in board.entrants}
+    short, long_ = board.train_length, board.longest
+    at_short, at_long = board.ranks(protocol, short), board.ranks(protocol, long_)
+    lines = [f"| rank L={long_} | rank L={short} | model | L={short} | L={long_} | {short} → {long_} | "
+             f"− ALiBi at {long_} | − family baseline at {long_} |",
+             "|---|---|---|---|---|---|---|---|"]
+    for e in sorted(board.entrants, key=lambda e: (at_long[e.name], e.name)):
+        cells = {v.reference: v for v in board.against(e.name, protocol, long_)}
+        baseline = next((r for r in e.references if r != "alibi" and r in cells), None)
+        lines.append(" | ".join([
+            f"| {at_long[e.name]}", str(at_short[e.name]), e.label, _mean_sd(board, e.name, protocol, short),
+            _mean_sd(board, e.name, protocol, long_), f"{100 * board.change(e.name, protocol):+.1f}%",
+            _versus_cell(cells["alibi"]) if "alibi" in cells else "",
+            f"{labels[baseline]}: {_versus_cell(cells[baseline])}" if baseline else ""]) + " |")
+    return "\n".join(lines)
+
+
+def seed_markdown(board: Leaderboard, protocol: str, length: int) -> str:
+    """Every difference to a reference at ``length``, seed by seed, with its interval."""
+    labels = {e.name: e.label for e in board.entrants}
+    level = f"{100 * board.confidence:g}%"
+    lines = ["| model | − reference | " + " | ".join(f"seed {s} ({level} interval)" for s in board.seeds)
+             + " | verdict |", "|---|---|" + "---|" * len(board.seeds) + "---|"]
+    for v in board.versus:
+        if (v.protocol, v.length) == (protocol, length):
+            seeds = [f"{d:+.2f} [{low:+.2f}, {high:+.2f}]" for d, (low, high) in zip(v.difference, v.interval)]
+            lines.append(f"| {labels[v.model]} | {labels[v.reference]} | " + " | ".join(seeds) + f" | {v.verdict} |")
+    return "\n".join(lines)
+
+
+def lengths_markdown(board: Leaderboard) -> str:
+    """Every model's mean ± sd at every length, under each protocol, in the board's order of models."""
+    lines = ["| model | protocol | " + " | ".join(f"L={n}" for n in board.lengths) + " |",
+             "|---|---|" + "---|" * len(board.lengths)]
+    for e in board.entrants:
+        for protocol in board.protocols:
+            lines.append(f"| {e.label} | {protocol} | "
+                         + " | ".join(_mean_sd(board, e.name, protocol, n) for n in board.lengths) + " |")
+    return "\n".join(lines)
+
+
+def csv_rows(board: Leaderboard) -> Tuple[List[str], List[list]]:
+    """A row per model, protocol and length: mean, sd, each seed's perplexity, ranks there, and for each
+    reference the seeds' differences, intervals and verdict (``;``-separated by seed)."""
+    header = ["model", "label", "family", "protocol", "length", "mean", "sd", "ppl_by_seed", "rank", "reference",
+              "difference_by_seed", "interval_by_seed", "verdict"]
+    rows = []
+    for protocol in board.protocols:
+        for n in board.lengths:
+            ranks = board.ranks(protocol, n)
+            for e in board.entrants:
+                common = [e.name, e.label, e.family, protocol, n, repr(board.mean(e.name, protocol, n)),
+                          repr(board.sd(e.name, protocol, n)), ";".join(map(repr, board.ppl[e.name, protocol, n])),
+                          ranks[e.name]]
+                rows.append(common + ["", "", "", ""])
+                for v in board.against(e.name, protocol, n):
+                    rows.append(common + [v.reference, ";".join(map(repr, v.difference)),
+                                          ";".join(f"{low!r}/{high!r}" for low, high in v.interval), v.verdict])
+    return header, rows

@@ -1,0 +1,175 @@
+"""The leaderboard over seeds against a direct computation on synthetic scores (means, standard
+deviations, ranks, changes, each seed's paired interval, the verdicts), its tables and CSV, the
+families and baselines of the compared encodings, and the records that let a comparison resume."""
+
+import json
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from kerple_fairseq.analysis import leaderboard
+from kerple_fairseq.analysis.leaderboard import NOT_RESOLVED, RESOLVED, Entrant, Versus
+from kerple_fairseq.analysis.significance import compare
+from kerple_fairseq.errors import UsageError
+from kerple_fairseq.evaluation import spans as S
+from kerple_fairseq.evaluation.per_token import TokenScores
+from kerple_fairseq.experiments.finished_steps import Step, data_bin_fingerprint
+from kerple_fairseq.experiments.position_encodings import FAMILIES, POSITION_ENCODINGS
+
+PROTOCOLS = ("early-token-cursed", "last-token")
+LENGTHS = (16, 64)
+SEEDS = (7, 8, 9)
+# model: (extra loss at the training length, extra loss per doubling of the length), seed noise on top
+MODELS = {"alibi": (0.0, 0.0), "rotary": (0.02, 0.2), "rotary_yarn": (0.02, 0.05), "kerple_log": (-0.01, -0.002)}
+
+
+def synthetic_scores(rng):
+    """Every model's per-token scores by seed, protocol and length, on shared units (the pairing)."""
+    spans = {("early-token-cursed", n): S.early_token_cursed(512, n) for n in LENGTHS}
+    spans.update({("last-token", n): S.last_token(np.arange(100, 160), n) for n in LENGTHS})
+    difficulty = {key: rng.normal(0, 0.3, len(s)) for key, s in spans.items()}
+    scores = {}
+    for name, (offset, slope) in MODELS.items():
+        for k in range(len(SEEDS)):
+            seed_noise = rng.normal(0, 0.01)
+            scores[name, k] = {}
+            for (protocol, n), s in spans.items():
+                mean = 3.0 + offset + slope * math.log2(n / LENGTHS[0]) + seed_noise
+                per_span = [-(mean + difficulty[protocol, n][i] + rng.normal(0, 0.5, w.end - w.score_from))
+                            for i, w in enumerate(s)]
+                scores[name, k][protocol, n] = TokenScores.from_spans(s, per_span)
+    return scores
+
+
+def perplexity(t: TokenScores) -> float:
+    return math.exp(-float(np.sum(t.log_prob.astype(np.float64))) / t.log_prob.size)
+
+
+@pytest.fixture(scope="module")
+def board():
+    scores = synthetic_scores(np.random.default_rng(0))
+    entrants = [Entrant(name, POSITION_ENCODINGS[name].label, POSITION_ENCODINGS[name].family,
+                        ["alibi", POSITION_ENCODINGS[name].baseline],
+                        [[{"protocol": p, "length": n, "ppl": perplexity(scores[name, k][p, n])}
+                          for p in PROTOCOLS for n in LENGTHS] for k in range(len(SEEDS))])
+                for name in MODELS]
+    return leaderboard.build(entrants, SEEDS, LENGTHS[0], lambda name, k: scores[name, k], samples=400), scores
+
+
+def test_means_ranks_and_changes_by_direct_computation(board):
+    board, scores = board
+    for protocol in PROTOCOLS:
+        for n in LENGTHS:
+            means = {}
+            for name in MODELS:
+                ppl = [perplexity(scores[name, k][protocol, n]) for k in range(len(SEEDS))]
+                means[name] = statistics.mean(ppl)
+                assert board.mean(name, protocol, n) == pytest.approx(means[name], rel=1e-12)
+                assert board.sd(name, protocol, n) == pytest.approx(statistics.stdev(ppl), rel=1e-9)
+            order = sorted(means, key=means.get)
+            assert board.ranks(protocol, n) == {name: order.index(name) + 1 for name in MODELS}
+        for name in MODELS:
+            assert board.change(name, protocol) == pytest.approx(
+                board.mean(name, protocol, LENGTHS[-1]) / board.mean(name, protocol, LENGTHS[0]) - 1)
+
+
+def test_each_seed_is_paired_with_the_same_seed_of_each_reference(board):
+    board, scores = board
+    pairs = {(v.model, v.reference) for v in board.versus}
+    # ALiBi for all but itself; rotary for the rotary family; kerple_log's and rotary's baseline is ALiBi
+    assert pairs == {("rotary", "alibi"), ("rotary_yarn", "alibi"), ("rotary_yarn", "rotary"), ("kerple_log", "alibi")}
+    for v in board.versus:
+        for k in range(len(SEEDS)):
+            direct = compare(v.protocol, v.length, [v.reference, v.model],
+                             [scores[v.reference, k][v.protocol, v.length], scores[v.model, k][v.protocol, v.length]],
+                             samples=400, seed=1)
+            assert v.difference[k] == pytest.approx(perplexity(scores[v.model, k][v.protocol, v.length])
+                                                    - perplexity(scores[v.reference, k][v.protocol, v.length]), rel=1e-5)
+            assert v.interval[k] == direct.difference_interval[0]
+
+
+def test_verdicts():
+    def versus(differences, intervals):
+        return Versus("m", "r", "last-token", 16, differences, intervals).verdict
+
+    assert versus([1.0, 2.0], [[0.5, 1.5], [1.0, 3.0]]) == RESOLVED
+    assert versus([-1.0, -2.0], [[-1.5, -0.5], [-3.0, -1.0]]) == RESOLVED
+    assert versus([1.0, 2.0], [[-0.5, 1.5], [1.0, 3.0]]) == NOT_RESOLVED  # one interval holds zero
+    assert versus([1.0, -2.0], [[0.5, 1.5], [-3.0, -1.0]]) == NOT_RESOLVED  # the seeds disagree
+    assert versus([0.0], [[0.0, 0.0]]) == NOT_RESOLVED
+
+
+def test_synthetic_gaps_are_resolved_and_noise_is_not(board):
+    board, _ = board
+    verdicts = {(v.model, v.reference, v.protocol, v.length): v.verdict for v in board.versus}
+    assert verdicts["rotary", "alibi", "early-token-cursed", 64] == RESOLVED
+    assert verdicts["rotary_yarn", "rotary", "early-token-cursed", 64] == RESOLVED
+    assert verdicts["rotary", "alibi", "last-token", 16] == NOT_RESOLVED  # 60 targets cannot resolve 2%
+
+
+def test_tables_and_csv(board):
+    board, _ = board
+    table = leaderboard.markdown(board, "early-token-cursed").splitlines()
+    assert [line.split(" | ")[2] for line in table[2:]] == ["KERPLE-log", "ALiBi", "rotary+YaRN", "rotary"]
+    yarn = next(line for line in table if "| rotary+YaRN |" in line)
+    mean_sd = f"{board.mean('rotary_yarn', 'early-token-cursed', 64):.2f} ± {board.sd('rotary_yarn', 'early-token-cursed', 64):.2f}"
+    assert mean_sd in yarn and "rotary: -" in yarn and yarn.endswith(f"{RESOLVED} |")
+    seeds = leaderboard.seed_markdown(board, "last-token", 64).splitlines()
+    assert seeds[0].count("interval") == len(SEEDS) and len(seeds) == 2 + 4
+    header, rows = leaderboard.csv_rows(board)
+    assert len(rows) == len(PROTOCOLS) * len(LENGTHS) * (len(MODELS) + 4)
+    row = dict(zip(header, next(r for r in rows if r[0] == "rotary_yarn" and r[9] == "rotary" and r[4] == 64
+                                and r[3] == "last-token")))
+    v = next(v for v in board.versus if (v.model, v.reference, v.protocol, v.length) == ("rotary_yarn", "rotary", "last-token", 64))
+    assert [float(d) for d in row["difference_by_seed"].split(";")] == v.difference
+    assert [[float(x) for x in i.split("/")] for i in row["interval_by_seed"].split(";")] == v.interval
+    assert "L=16 | L=64" in leaderboard.lengths_markdown(board)
+
+
+def test_missing_results_are_named():
+    entrant = Entrant("alibi", "ALiBi", FAMILIES[1], [], [[{"protocol": "last-token", "length": 16, "ppl": 3.0}]])
+    with pytest.raises(UsageError, match="training length 8 is not among"):
+        leaderboard.build([entrant], [1], 8, lambda name, k: {})
+    with pytest.raises(UsageError, match="alibi has 1 evaluated seeds, the board 2"):
+        leaderboard.build([entrant], [1, 2], 16, lambda name, k: {})
+
+
+def test_every_compared_encoding_has_a_family_and_adds_to_its_baseline():
+    """A family's baseline is the model it adds to: the same architecture, its flags among the encoding's
+    (CoPE's is NoPE: CoPE's positions taken away)."""
+    for name, encoding in POSITION_ENCODINGS.items():
+        assert encoding.family in FAMILIES, name
+        baseline = POSITION_ENCODINGS[encoding.baseline]
+        if encoding.baseline != "alibi" and name != "cope":
+            assert baseline.architecture == encoding.architecture and set(baseline.flags) <= set(encoding.flags), name
+    assert {POSITION_ENCODINGS[n].baseline for n in ("rotary_ntk", "rotary_yarn", "xpos", "ssmax", "rotary_rerope")} == {"rotary"}
+    assert POSITION_ENCODINGS["dape_kerple_log"].baseline == "kerple_log"
+
+
+def test_a_step_is_finished_only_with_its_key_and_outputs(tmp_path):
+    output = tmp_path / "checkpoint.pt"
+    step = Step(tmp_path / "done.json", {"flags": ["--seed", "1"], "data": "abc"}, [output])
+    assert step.finished() is None
+    output.write_bytes(b"x")
+    step.complete(12.5)
+    assert step.finished() == 12.5 and not list(tmp_path.glob("*.partial"))
+    assert Step(step.record, {"flags": ["--seed", "2"], "data": "abc"}, [output]).finished() is None
+    output.unlink()
+    assert step.finished() is None
+    output.write_bytes(b"x")
+    step.record.write_text("{not json")  # a record cut short
+    assert step.finished() is None
+    step.complete(1.0)
+    step.forget()
+    assert not step.record.exists() and step.finished() is None
+    assert json.loads(json.dumps(step.key)) == step.key
+
+
+def test_the_data_fingerprint_follows_the_files(tmp_path):
+    (tmp_path / "dict.txt").write_text("a 1\n")
+    first = data_bin_fingerprint(tmp_path)
+    assert data_bin_fingerprint(tmp_path) == first
+    (tmp_path / "valid.bin").write_bytes(b"\x00")
+    assert data_bin_fingerprint(tmp_path) != first
