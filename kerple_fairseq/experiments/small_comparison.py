@@ -50,8 +50,14 @@ def downloaded_sample(url: str, download_dir: Path, md5: str = OFFICIAL_MD5,
     return tokens
 
 
-def run_name(args: argparse.Namespace, name: str, seed: int) -> str:
-    """The directory and table label of a training run: the model's name, with the seed where there are several."""
+def run_dir(args: argparse.Namespace, name: str, seed: int) -> Path:
+    """A training run's directory, ``<out>/<model>-seed<S>``: the same for a seed whichever others run
+    beside it, so that adding seeds keeps the runs finished before."""
+    return args.out / f"{name}-seed{seed}"
+
+
+def run_label(args: argparse.Namespace, name: str, seed: int) -> str:
+    """A training run in tables: the model's name, with the seed where there are several."""
     return name if len(args.seeds) == 1 else f"{name}-seed{seed}"
 
 
@@ -88,7 +94,7 @@ def train(args: argparse.Namespace, data_bin: Path, data: str, name: str, seed: 
     before with the same options is kept; one cut short is started again. A model trained as one
     already in ``trained`` (by options: ReRoPE's rotary model) gets a copy of that checkpoint instead;
     ``trained`` records each."""
-    save_dir = args.out / run_name(args, name, seed)
+    save_dir = run_dir(args, name, seed)
     checkpoint = save_dir / "checkpoint_last.pt"
     flags = [str(f) for f in [
         *POSITION_ENCODINGS[name].model_flags(), "--kernel-parameterization", args.kernel_parameterization,
@@ -168,10 +174,10 @@ def write_leaderboard(args: argparse.Namespace, evaluated: Dict[Run, Evaluated])
 
     @lru_cache(maxsize=16)  # the references' files are read again for every model
     def scores(name: str, k: int):
-        return per_token.load(str(args.out / run_name(args, name, args.seeds[k]) / "per-token.npz")).scored
+        return per_token.load(str(run_dir(args, name, args.seeds[k]) / "per-token.npz")).scored
 
     board = leaderboard.build(entrants, args.seeds, args.train_length, scores)
-    seconds = sum(json.loads((args.out / run_name(args, name, seed) / record).read_text())["seconds"]
+    seconds = sum(json.loads((run_dir(args, name, seed) / record).read_text())["seconds"]
                   for name in args.models for seed in args.seeds for record in ("trained.json", "evaluated.json"))
     short, long_ = board.train_length, board.longest
     text = [f"# Leaderboard: {len(args.models)} position encodings, seed{'s' * (len(args.seeds) > 1)} "
@@ -215,7 +221,7 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
     comparison = Comparison(
         data_bin, args.eval_lengths, args.num_targets, ["--cpu", "--no-progress-bar"], run,
         announce=lambda model: stage(
-            f"evaluating {run_name(args, *model.key)} at lengths {', '.join(map(str, args.eval_lengths))}: early-token-cursed "
+            f"evaluating {run_label(args, *model.key)} at lengths {', '.join(map(str, args.eval_lengths))}: early-token-cursed "
             f"(every token, non-overlapping blocks) and last-token ({args.num_targets} targets)"),
         log=stage)
     data = data_bin_fingerprint(data_bin)
@@ -223,10 +229,10 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
     evaluated = comparison.train_and_evaluate([
         Model((name, seed), partial(train, args, data_bin, data, name, seed, trained),
               eval_flags=[*POSITION_ENCODINGS[name].eval_flags,
-                          "--position-wise", args.out / run_name(args, name, seed) / "position-wise.csv",
-                          "--per-token", args.out / run_name(args, name, seed) / "per-token.npz"])
+                          "--position-wise", run_dir(args, name, seed) / "position-wise.csv",
+                          "--per-token", run_dir(args, name, seed) / "per-token.npz"])
         for seed in args.seeds for name in args.models])  # every model's first seed before any second
-    results = {run_name(args, *key): e.records for key, e in evaluated.items()}
+    results = {run_label(args, *key): e.records for key, e in evaluated.items()}
     text = (f"Validation perplexity (early-token-cursed: every token, non-overlapping blocks; last-token: "
             f"the same {args.num_targets} targets after L-1 tokens), trained at L={args.train_length} "
             f"for {args.updates} updates of {args.max_tokens} tokens; {args.layers} layers, width {args.width}, "
