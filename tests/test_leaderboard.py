@@ -99,6 +99,9 @@ def test_verdicts():
     assert versus([1.0, 2.0], [[-0.5, 1.5], [1.0, 3.0]]) == NOT_RESOLVED  # one interval holds zero
     assert versus([1.0, -2.0], [[0.5, 1.5], [-3.0, -1.0]]) == NOT_RESOLVED  # the seeds disagree
     assert versus([0.0], [[0.0, 0.0]]) == NOT_RESOLVED
+    assert versus([-0.1], [[0.2, 0.5]]) == NOT_RESOLVED  # a difference outside its own interval is no evidence
+    assert versus([0.3], [[0.2, 0.5]]) == RESOLVED  # one seed: its interval alone
+    assert versus([], []) == NOT_RESOLVED
 
 
 def test_synthetic_gaps_are_resolved_and_noise_is_not(board):
@@ -128,12 +131,20 @@ def test_tables_and_csv(board):
     assert "L=16 | L=64" in leaderboard.lengths_markdown(board)
 
 
-def test_missing_results_are_named():
-    entrant = Entrant("alibi", "ALiBi", FAMILIES[1], [], [[{"protocol": "last-token", "length": 16, "ppl": 3.0}]])
-    with pytest.raises(UsageError, match="training length 8 is not among"):
-        leaderboard.build([entrant], [1], 8, lambda name, k: {})
+def test_missing_results_are_named_and_a_diverged_model_ranks_last():
+    def entrant(name, ppl):
+        return Entrant(name, name, FAMILIES[1], [], [[{"protocol": "last-token", "length": n, "ppl": ppl}
+                                                      for n in (16, 32)]])
+
     with pytest.raises(UsageError, match="alibi has 1 evaluated seeds, the board 2"):
-        leaderboard.build([entrant], [1, 2], 16, lambda name, k: {})
+        leaderboard.build([entrant("alibi", 3.0)], [1, 2], 16, lambda name, k: {})
+    with pytest.raises(UsageError, match="b lacks last-token at L=16"):
+        leaderboard.build([entrant("a", 3.0), Entrant("b", "b", FAMILIES[1], [], [[]])], [1], 16, lambda name, k: {})
+    # a training length that was not evaluated: the board starts at the shortest evaluated length
+    board = leaderboard.build([entrant("a", 3.0), entrant("b", float("nan")), entrant("c", 2.0)], [1], 8,
+                              lambda name, k: {})
+    assert board.train_length == 16 and board.ranks("last-token", 32) == {"c": 1, "a": 2, "b": 3}
+    assert math.isnan(board.sd("a", "last-token", 16))  # one seed has no spread
 
 
 def test_every_compared_encoding_has_a_family_and_adds_to_its_baseline():

@@ -2,8 +2,9 @@
 which differences survive a change of seed.
 
 For each model, protocol and evaluated length: the mean perplexity over the seeds and its sample
-standard deviation; the model's rank (1: lowest mean) at the training length and at the longest
-length; its change from the one to the other. Against each of its references (ALiBi, and the
+standard deviation; the model's rank (1: lowest mean) at the training length (the shortest
+evaluated length if the training length was not evaluated) and at the longest length; its change
+from the one to the other. Against each of its references (ALiBi, and the
 baseline of its own family: rotary for the rotary family, the underlying kernel for DAPE), seed by
 seed: the difference in perplexity with its paired-bootstrap interval (the k-th seed of the model
 against the k-th seed of the reference, on the same scored tokens; see :mod:`significance`). The
@@ -11,6 +12,7 @@ verdict on a difference is *resolved* when its sign is the same in every seed an
 interval excludes zero, and *not resolved* otherwise.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Sequence, Tuple
 
@@ -49,15 +51,15 @@ class Versus:
 
     @property
     def verdict(self) -> str:
-        signs = {int(np.sign(d)) for d in self.difference}
-        excluded = all(low > 0 for low, _ in self.interval) or all(high < 0 for _, high in self.interval)
-        return RESOLVED if len(signs) == 1 and 0 not in signs and excluded else NOT_RESOLVED
+        above = all(d > 0 and low > 0 for d, (low, _) in zip(self.difference, self.interval))
+        below = all(d < 0 and high < 0 for d, (_, high) in zip(self.difference, self.interval))
+        return RESOLVED if self.difference and (above or below) else NOT_RESOLVED
 
 
 @dataclass
 class Leaderboard:
     seeds: List[int]
-    train_length: int
+    train_length: int  # the training length, or the shortest evaluated length if it was not evaluated
     lengths: List[int]
     protocols: List[str]  # those evaluated, in kerple-eval-lm's order
     entrants: List[Entrant]
@@ -78,8 +80,9 @@ class Leaderboard:
         return float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
 
     def ranks(self, protocol: str, length: int) -> Dict[str, int]:
-        """1 for the lowest mean perplexity; ties share the better rank."""
+        """1 for the lowest mean perplexity; ties share the better rank; a model that diverged (NaN) ranks last."""
         means = {e.name: self.mean(e.name, protocol, length) for e in self.entrants}
+        means = {name: math.inf if math.isnan(m) else m for name, m in means.items()}
         return {name: 1 + sum(other < m for other in means.values()) for name, m in means.items()}
 
     def change(self, model: str, protocol: str) -> float:
@@ -98,9 +101,10 @@ def build(entrants: Sequence[Entrant], seeds: Sequence[int], train_length: int,
     names = [e.name for e in entrants]
     lengths = sorted({r["length"] for e in entrants for records in e.records for r in records})
     protocols = [p for p in PROTOCOLS if any(r["protocol"] == p for e in entrants for records in e.records for r in records)]
-    if train_length not in lengths:
-        raise UsageError(f"the training length {train_length} is not among the evaluated lengths {lengths}")
-    board = Leaderboard(list(seeds), train_length, lengths, protocols, list(entrants), confidence)
+    if not lengths:
+        raise UsageError("the leaderboard needs evaluated lengths")
+    short = train_length if train_length in lengths else lengths[0]
+    board = Leaderboard(list(seeds), short, lengths, protocols, list(entrants), confidence)
     for e in entrants:
         if len(e.records) != len(seeds):
             raise UsageError(f"{e.name} has {len(e.records)} evaluated seeds, the board {len(seeds)}")

@@ -6,10 +6,11 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Callable, Dict, Hashable, List, NamedTuple, Sequence, Tuple
 
-from kerple_fairseq.experiments.finished_steps import Step, file_digest
+from kerple_fairseq.experiments.finished_steps import Step, data_bin_fingerprint, file_digest
 from kerple_fairseq.experiments.paths import SCRIPTS
 
 PROTOCOLS = ("early-token-cursed", "last-token")  # also how kerple-eval-lm's result lines begin
@@ -52,23 +53,36 @@ class Comparison:
     announce: Callable[[Model], None] = lambda model: None
     log: Callable[[str], None] = lambda line: None
 
+    @cached_property
+    def data_fingerprint(self) -> str:
+        return data_bin_fingerprint(Path(self.data_bin))
+
     def evaluate(self, model: Model, checkpoint: Path) -> Tuple[List[dict], float]:
         """kerple-eval-lm's records of every protocol at every length (also in ``eval.json`` beside the
-        checkpoint), and the seconds spent now: none when this checkpoint was evaluated so before."""
+        checkpoint), and the seconds spent now: none when this checkpoint was evaluated so before (by
+        the same options, on the same data; paths compared by name within the run's directory, so that
+        a moved checkout or output directory keeps its evaluations)."""
         results = checkpoint.parent / "eval.json"
-        cmd = [SCRIPTS / "eval_lm.py", self.data_bin, "--path", checkpoint, "--gen-subset", "valid",
-               "--protocol", "all", "--lengths", *self.lengths, "--num-targets", self.num_targets,
-               "--max-tokens", 16384, "--results-json", results, *self.device_flags, *model.eval_flags]
+        options = [self.data_bin, "--path", checkpoint, "--gen-subset", "valid", "--protocol", "all",
+                   "--lengths", *self.lengths, "--num-targets", self.num_targets, "--max-tokens", 16384,
+                   "--results-json", results, *self.device_flags, *model.eval_flags]
+
+        def portable(option) -> str:
+            if isinstance(option, Path) and option.parent == checkpoint.parent:
+                return option.name
+            return "<data-bin>" if option == self.data_bin else str(option)
+
         step = Step(checkpoint.parent / "evaluated.json",
-                    {"command": [str(c) for c in cmd], "checkpoint": file_digest(checkpoint)},
-                    [Path(str(cmd[k + 1])) for k, c in enumerate(cmd) if c in FILES_WRITTEN])
+                    {"kerple-eval-lm": [portable(o) for o in options], "data": self.data_fingerprint,
+                     "checkpoint": file_digest(checkpoint)},
+                    [Path(str(options[k + 1])) for k, o in enumerate(options) if o in FILES_WRITTEN])
         if step.finished() is not None:
             self.log(f"{checkpoint.parent.name} is evaluated so already: reading {results}")
             return json.loads(results.read_text()), 0.0
         self.announce(model)
         step.forget()
         started = time.time()
-        self.run([sys.executable, *cmd])
+        self.run([sys.executable, SCRIPTS / "eval_lm.py", *options])
         step.complete(time.time() - started)
         return json.loads(results.read_text()), time.time() - started
 

@@ -5,8 +5,10 @@ Each step of a comparison (training one model, evaluating one checkpoint) writes
 completes: a JSON file beside its outputs holding the step's key (the options that produced the
 outputs, with fingerprints of the files it read) and the seconds it took. A later run skips the step
 when the record is there with the same key and every output exists; otherwise the step runs again
-from its start. A step cut short leaves no record, and a changed option changes the key, so it is
-redone and nothing else is.
+from its start. A step cut short leaves no record, and a changed option changes the key, so only the
+steps it touches are redone (a training redone takes its run's evaluation with it). The key holds
+options and data, not the code: after a change to the code that alters results, use another output
+directory or remove the records.
 """
 
 import hashlib

@@ -7,6 +7,7 @@ receptive field, attention by distance). Every finished training and evaluation 
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from kerple_fairseq.evaluation import per_token
 from kerple_fairseq.evaluation.checkpoint_file import data_only_environment
 from kerple_fairseq.experiments.comparison import (
     PROTOCOLS, CommandFailed, Comparison, Evaluated, Model, markdown_table, protocol_rows)
-from kerple_fairseq.experiments.finished_steps import Step, data_bin_fingerprint
+from kerple_fairseq.experiments.finished_steps import Step
 from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.experiments.paths import BIN, SCRIPTS, USER_DIR
 from kerple_fairseq.experiments.position_encodings import FAMILIES, POSITION_ENCODINGS
@@ -87,13 +88,21 @@ def run(cmd: list, log: Optional[Path] = None, show: Callable[[str], bool] = tra
         raise CommandFailed(Path(str(cmd[0])).name, proc.returncode)
 
 
-def train(args: argparse.Namespace, data_bin: Path, data: str, name: str, seed: int,
-          trained: Dict[str, Path]) -> Tuple[Path, float]:
+def trained_alike(args: argparse.Namespace, step: Step, seed: int) -> Optional[Path]:
+    """The checkpoint of a finished run in ``--out`` trained with the options of ``step`` (the rotary
+    model under each rotary scaling and ReRoPE, applied at evaluation), if there is one."""
+    for record in sorted(args.out.glob(f"*-seed{seed}/trained.json")):
+        other = Step(record, step.key, [record.parent / "checkpoint_last.pt"])
+        if record != step.record and other.finished() is not None:
+            return record.parent / "checkpoint_last.pt"
+    return None
+
+
+def train(args: argparse.Namespace, data_bin: Path, data: str, name: str, seed: int) -> Tuple[Path, float]:
     """fairseq-train of model ``name`` with ``seed`` from scratch in its run's directory, on ``data_bin``
     (whose fingerprint is ``data``); its last checkpoint and the seconds spent now. A run finished
-    before with the same options is kept; one cut short is started again. A model trained as one
-    already in ``trained`` (by options: ReRoPE's rotary model) gets a copy of that checkpoint instead;
-    ``trained`` records each."""
+    before with the same options is kept; one cut short is started again. A model trained as another
+    finished run in ``--out`` was (same options and seed) gets a copy of that one's checkpoint."""
     save_dir = run_dir(args, name, seed)
     checkpoint = save_dir / "checkpoint_last.pt"
     flags = [str(f) for f in [
@@ -103,17 +112,15 @@ def train(args: argparse.Namespace, data_bin: Path, data: str, name: str, seed: 
                             log_format="simple", log_interval=25, adam_betas="(0.9, 0.98)", clip_norm=1.0),
         "--max-update", args.updates]]
     step = Step(save_dir / "trained.json", {"fairseq-train": flags, "data": data}, [checkpoint])
-    options = json.dumps(step.key, sort_keys=True)
     if step.finished() is not None:
         stage(f"{save_dir.name} is trained so already: keeping {checkpoint}")
-        trained.setdefault(options, checkpoint)
         return checkpoint, 0.0
     tensorboard = args.out / "tensorboard" / save_dir.name
     for earlier in (save_dir, tensorboard):
         shutil.rmtree(earlier, ignore_errors=True)
     save_dir.mkdir(parents=True)
     started = time.time()
-    same = trained.get(options)
+    same = trained_alike(args, step, seed)
     if same is not None:
         stage(f"{name} is trained as {same.parent.name} is: evaluating a copy of its checkpoint")
         shutil.copyfile(same, checkpoint)
@@ -122,7 +129,6 @@ def train(args: argparse.Namespace, data_bin: Path, data: str, name: str, seed: 
         run([BIN / "fairseq-train", data_bin, "--user-dir", USER_DIR, *flags, "--save-dir", save_dir,
              "--tensorboard-logdir", tensorboard], log=save_dir / "train.log")
     step.complete(time.time() - started)
-    trained[options] = checkpoint
     return checkpoint, time.time() - started
 
 
@@ -196,7 +202,9 @@ def write_leaderboard(args: argparse.Namespace, evaluated: Dict[Run, Evaluated])
         text += ["", f"## {protocol} at L={long_}, seed by seed", "", leaderboard.seed_markdown(board, protocol, long_)]
     text += ["", "## Every length", "", leaderboard.lengths_markdown(board)]
     markdown = "\n".join(text) + "\n"
-    (args.out / "leaderboard.md").write_text(markdown)
+    partial_md = args.out / "leaderboard.md.partial"
+    partial_md.write_text(markdown)
+    os.replace(partial_md, args.out / "leaderboard.md")
     header, rows = leaderboard.csv_rows(board)
     write_csv(str(args.out / "leaderboard.csv"), header, rows)
     curves = [(e.label, e.family, protocol, board.lengths, [board.mean(e.name, protocol, n) for n in board.lengths],
@@ -204,6 +212,7 @@ def write_leaderboard(args: argparse.Namespace, evaluated: Dict[Run, Evaluated])
                [max(board.ppl[e.name, protocol, n]) for n in board.lengths])
               for e in entrants for protocol in board.protocols]
     families = [f for f in FAMILIES if any(e.family == f for e in entrants)]
+    (args.out / "leaderboard.png").unlink(missing_ok=True)  # no figure rather than one of another run
     try:
         figures.leaderboard(curves, families, board.protocols, short, POSITION_ENCODINGS["alibi"].label,
                             str(args.out / "leaderboard.png"))
@@ -224,10 +233,8 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
             f"evaluating {run_label(args, *model.key)} at lengths {', '.join(map(str, args.eval_lengths))}: early-token-cursed "
             f"(every token, non-overlapping blocks) and last-token ({args.num_targets} targets)"),
         log=stage)
-    data = data_bin_fingerprint(data_bin)
-    trained: Dict[str, Path] = {}
     evaluated = comparison.train_and_evaluate([
-        Model((name, seed), partial(train, args, data_bin, data, name, seed, trained),
+        Model((name, seed), partial(train, args, data_bin, comparison.data_fingerprint, name, seed),
               eval_flags=[*POSITION_ENCODINGS[name].eval_flags,
                           "--position-wise", run_dir(args, name, seed) / "position-wise.csv",
                           "--per-token", run_dir(args, name, seed) / "per-token.npz"])
