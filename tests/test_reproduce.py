@@ -65,3 +65,20 @@ def test_baselines_and_seeds(data_bin, tmp_path):
     assert len(result["comparisons"]) == 2 * 2 * 2  # protocols x lengths x seeds
     assert {(s["protocol"], s["length"], s["runs"]) for s in result["across_seeds"]} == {
         (p, n, 2) for p in ("early-token-cursed", "last-token") for n in (32, 64)}
+
+
+@pytest.mark.slow
+def test_rotary_scalings_evaluate_the_rotary_checkpoint(data_bin, tmp_path):
+    """rotary_ntk is rotary trained, scaled at evaluation: one training, a copy of its checkpoint, and
+    the scaling only in the evaluation."""
+    proc = run([sys.executable, REPO / "scripts" / "reproduce_wikitext_103.py", "--data", data_bin, "--out", tmp_path,
+                "--tiny", "--models", "rotary", "rotary_ntk", "--train-lengths", "32", "--eval-lengths", "32", "64",
+                "--num-targets", "10", "--max-update", "2"])
+    assert proc.stderr.count("train_wikitext_103.py") == 1
+    assert "rotary_ntk is trained as rotary-32 is: evaluating a copy of its checkpoint" in proc.stderr
+    evaluated = next(n for n in ("checkpoint_best.pt", "checkpoint_last.pt") if (tmp_path / "rotary-32" / n).is_file())
+    assert (tmp_path / "rotary-32" / evaluated).read_bytes() == (tmp_path / "rotary_ntk-32" / evaluated).read_bytes()
+    evaluations = {m: json.loads((tmp_path / f"{m}-32" / "eval.json").read_text()) for m in ("rotary", "rotary_ntk")}
+    ppl = {m: {(r["protocol"], r["length"]): r["ppl"] for r in records} for m, records in evaluations.items()}
+    assert ppl["rotary"]["early-token-cursed", 32] == ppl["rotary_ntk"]["early-token-cursed", 32]  # s = 1
+    assert ppl["rotary"]["early-token-cursed", 64] != ppl["rotary_ntk"]["early-token-cursed", 64]  # s = 2

@@ -3,6 +3,8 @@ WikiText-103 with ALiBi's recipe (through ``scripts/train_wikitext_103.py``), on
 evaluated under the early-token-cursed and last-token protocols, beside the published numbers."""
 
 import argparse
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ from typing import Dict, List, Tuple
 
 from kerple_fairseq.evaluation.checkpoint_file import data_only_environment
 from kerple_fairseq.experiments.comparison import CommandFailed, Comparison, Model, markdown_table, protocol_rows
+from kerple_fairseq.experiments.finished_steps import file_digest
 from kerple_fairseq.experiments.paths import SCRIPTS
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS
 
@@ -39,11 +42,24 @@ def run_dir(args: argparse.Namespace, model: str, length: int, seed: int) -> Pat
     return args.out / (f"{model}-{length}" + ("" if seed == 1 else f"-seed{seed}"))
 
 
-def train(args: argparse.Namespace, extra: List[str], run, model: str, length: int, seed: int) -> Tuple[Path, float]:
+def train(args: argparse.Namespace, extra: List[str], run, log, trained: Dict[tuple, Path], model: str, length: int,
+          seed: int) -> Tuple[Path, float]:
     """The training script on ``model`` at ``length`` with ``seed`` (resuming or reusing an earlier run);
-    its best checkpoint, or its last if it kept no best, and the seconds it took."""
+    its best checkpoint, or its last if it kept no best, and the seconds it took. A model trained as
+    one in ``trained`` (the same architecture and flags, length and seed: rotary under each scaling
+    applied at evaluation) gets a copy of that one's checkpoint instead; ``trained`` records each."""
     started = time.time()
     save_dir = run_dir(args, model, length, seed)
+    alike = (tuple(POSITION_ENCODINGS[model].model_flags(wiki103=True)), length, seed)
+    same = trained.get(alike)
+    if same is not None:
+        copy = save_dir / same.name
+        if not copy.is_file() or file_digest(copy) != file_digest(same):
+            save_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(same, save_dir / f"{same.name}.partial")
+            os.replace(save_dir / f"{same.name}.partial", copy)
+        log(f"{model} is trained as {same.parent.name} is: evaluating a copy of its checkpoint")
+        return copy, time.time() - started
     cmd = [sys.executable, SCRIPTS / "train_wikitext_103.py", model, "--data", args.data,
            "--save-dir", save_dir, "--train-length", length, *extra, "--seed", seed]
     if args.tiny:
@@ -52,7 +68,8 @@ def train(args: argparse.Namespace, extra: List[str], run, model: str, length: i
         cmd += ["--cpu-processes", args.cpu_processes]
     run(cmd)
     best = save_dir / "checkpoint_best.pt"
-    return best if best.is_file() else save_dir / "checkpoint_last.pt", time.time() - started
+    trained[alike] = best if best.is_file() else save_dir / "checkpoint_last.pt"
+    return trained[alike], time.time() - started
 
 
 def table(results: Dict[Tuple[int, str, int], list], lengths) -> str:
@@ -77,10 +94,14 @@ def reproduce(args: argparse.Namespace, extra: List[str], prog: str) -> None:
 
     use_gpu = torch.cuda.is_available() and not (args.tiny or args.cpu_processes)
     run = partial(announced_run, prog)
+    def log(line: str) -> None:
+        print(f"{prog}: {line}", file=sys.stderr, flush=True)
+
     comparison = Comparison(args.data, args.eval_lengths, args.num_targets, ["--fp16"] if use_gpu else ["--cpu"], run,
-                            log=lambda line: print(f"{prog}: {line}", file=sys.stderr, flush=True))
+                            log=log)
+    trained: Dict[tuple, Path] = {}
     evaluated = comparison.train_and_evaluate([
-        Model((length, model, seed), partial(train, args, extra, run, model, length, seed),
+        Model((length, model, seed), partial(train, args, extra, run, log, trained, model, length, seed),
               eval_flags=[*POSITION_ENCODINGS[model].eval_flags,
                           "--per-token", run_dir(args, model, length, seed) / "per-token.npz"])
         for length in args.train_lengths for model in args.models for seed in args.seeds])
