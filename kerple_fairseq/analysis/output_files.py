@@ -16,6 +16,14 @@ def write_csv(path: str, header: List[str], rows) -> None:
     os.replace(partial, path)
 
 
+def write_text(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        f.write(text)
+    os.replace(partial, path)
+
+
 def write_json(path: str, value) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     partial = f"{path}.partial"

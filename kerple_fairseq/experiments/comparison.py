@@ -83,8 +83,9 @@ class Comparison:
         step.forget()
         started = time.time()
         self.run([sys.executable, SCRIPTS / "eval_lm.py", *options])
-        step.complete(time.time() - started)
-        return json.loads(results.read_text()), time.time() - started
+        seconds = time.time() - started
+        step.complete(seconds)
+        return json.loads(results.read_text()), seconds
 
     def train_and_evaluate(self, models: Sequence[Model]) -> Dict[Hashable, Evaluated]:
         """Each model in turn trained, then evaluated (each step skipped where it finished before); by its

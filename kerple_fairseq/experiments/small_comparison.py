@@ -7,7 +7,6 @@ receptive field, attention by distance). Every finished training and evaluation 
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from kerple_fairseq.analysis import figures, leaderboard
-from kerple_fairseq.analysis.output_files import write_csv
+from kerple_fairseq.analysis.output_files import write_csv, write_text
 from kerple_fairseq.evaluation import per_token
 from kerple_fairseq.evaluation.checkpoint_file import data_only_environment
 from kerple_fairseq.experiments.comparison import (
@@ -128,8 +127,9 @@ def train(args: argparse.Namespace, data_bin: Path, data: str, name: str, seed: 
         stage(f"training {name} ({' '.join(POSITION_ENCODINGS[name].model_flags())}), seed {seed}, {args.updates} updates")
         run([BIN / "fairseq-train", data_bin, "--user-dir", USER_DIR, *flags, "--save-dir", save_dir,
              "--tensorboard-logdir", tensorboard], log=save_dir / "train.log")
-    step.complete(time.time() - started)
-    return checkpoint, time.time() - started
+    seconds = time.time() - started
+    step.complete(seconds)
+    return checkpoint, seconds
 
 
 ANALYSES = ("extrapolation", "compare", "kernels", "effective-length", "position-wise", "receptive-field", "attention")
@@ -202,9 +202,7 @@ def write_leaderboard(args: argparse.Namespace, evaluated: Dict[Run, Evaluated])
         text += ["", f"## {protocol} at L={long_}, seed by seed", "", leaderboard.seed_markdown(board, protocol, long_)]
     text += ["", "## Every length", "", leaderboard.lengths_markdown(board)]
     markdown = "\n".join(text) + "\n"
-    partial_md = args.out / "leaderboard.md.partial"
-    partial_md.write_text(markdown)
-    os.replace(partial_md, args.out / "leaderboard.md")
+    write_text(str(args.out / "leaderboard.md"), markdown)
     header, rows = leaderboard.csv_rows(board)
     write_csv(str(args.out / "leaderboard.csv"), header, rows)
     curves = [(e.label, e.family, protocol, board.lengths, [board.mean(e.name, protocol, n) for n in board.lengths],
