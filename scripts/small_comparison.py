@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's kerple_fairseq
 
+from kerple_fairseq.errors import UsageError  # noqa: E402
 from kerple_fairseq.experiments.comparison import CommandFailed  # noqa: E402
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS  # noqa: E402
 from kerple_fairseq.experiments.small_comparison import (  # noqa: E402
@@ -96,7 +97,7 @@ def main():
         tokens_dir = Path(args.wikitext_dir) if args.wikitext_dir else downloaded_sample(
             args.url, args.download_dir, log=stage)
         compare(args, tokens_dir, args.data_bin or REPO / "data-bin" / tokens_dir.resolve().name)
-    except (PrepareError, CommandFailed) as e:
+    except (PrepareError, CommandFailed, UsageError) as e:
         fail(str(e))
 
 

@@ -15,6 +15,7 @@ from kerple_fairseq.analysis.significance import compare
 from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation import spans as S
 from kerple_fairseq.evaluation.per_token import TokenScores
+from kerple_fairseq.evaluation.span_losses import SpanLosses
 from kerple_fairseq.experiments.finished_steps import Step, data_bin_fingerprint
 from kerple_fairseq.experiments.position_encodings import FAMILIES, POSITION_ENCODINGS
 
@@ -55,7 +56,8 @@ def board():
                         [[{"protocol": p, "length": n, "ppl": perplexity(scores[name, k][p, n])}
                           for p in PROTOCOLS for n in LENGTHS] for k in range(len(SEEDS))])
                 for name in MODELS]
-    return leaderboard.build(entrants, SEEDS, LENGTHS[0], lambda name, k: scores[name, k], samples=400), scores
+    spans = {run: {key: SpanLosses.of(t) for key, t in scored.items()} for run, scored in scores.items()}
+    return leaderboard.build(entrants, SEEDS, LENGTHS[0], lambda name, k: spans[name, k], samples=400), scores
 
 
 def test_means_ranks_and_changes_by_direct_computation(board):
@@ -167,6 +169,10 @@ def test_a_step_is_finished_only_with_its_key_and_outputs(tmp_path):
     step.complete(12.5)
     assert step.finished() == 12.5 and not list(tmp_path.glob("*.partial"))
     assert Step(step.record, {"flags": ["--seed", "2"], "data": "abc"}, [output]).finished() is None
+    # an entry left unchecked may differ; the others may not
+    assert Step(step.record, {"flags": ["--seed", "1"], "data": "xyz"}, [output]).finished(unchecked=("data",)) == 12.5
+    assert Step(step.record, {"flags": ["--seed", "2"], "data": "xyz"}, [output]).finished(unchecked=("data",)) is None
+    assert Step(step.record, {"flags": ["--seed", "1"]}, [output]).finished(unchecked=("flags",)) is None
     output.unlink()
     assert step.finished() is None
     output.write_bytes(b"x")

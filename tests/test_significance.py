@@ -9,9 +9,9 @@ import statistics
 import numpy as np
 import pytest
 
-from kerple_fairseq.analysis.significance import across_seeds, compare
+from kerple_fairseq.analysis.significance import across_seeds, compare, compare_spans
 from kerple_fairseq.errors import UsageError
-from kerple_fairseq.evaluation import per_token
+from kerple_fairseq.evaluation import per_token, span_losses
 from kerple_fairseq.evaluation import spans as S
 from kerple_fairseq.evaluation.per_token import TokenScores
 
@@ -100,6 +100,37 @@ def test_files_that_scored_different_tokens_are_refused():
     b, _ = synthetic(rng, 21, 8, 2.0, 0.0)
     with pytest.raises(UsageError, match="b and a scored different tokens under early-token-cursed at length 8"):
         compare("early-token-cursed", 8, ["a", "b"], [a, b])
+
+
+def test_span_losses_are_each_spans_summed_loss_and_compare_alike(tmp_path):
+    rng = np.random.default_rng(7)
+    a, b = synthetic(rng, 30, 8, 2.0, 0.1)
+    b_last = TokenScores.from_spans(S.last_token(np.array([3, 40, 41]), 5), [np.array([-1.5], np.float32)] * 3)
+    kept = {("early-token-cursed", 8): span_losses.SpanLosses.of(a), ("last-token", 5): span_losses.SpanLosses.of(b_last)}
+    for k in range(30):  # by brute force
+        tokens = a.span == k
+        assert kept["early-token-cursed", 8].loss[k] == pytest.approx(-sum(float(x) for x in a.log_prob[tokens]), rel=1e-12)
+        assert kept["early-token-cursed", 8].count[k] == 8
+    path = tmp_path / "kept"  # any name: numpy adds no suffix
+    span_losses.save(str(path), kept)
+    loaded = span_losses.load(str(path))
+    assert list(loaded) == list(kept) and not list(tmp_path.glob("*.partial"))
+    for key, s in kept.items():
+        assert np.array_equal(loaded[key].loss, s.loss) and np.array_equal(loaded[key].count, s.count)
+        assert loaded[key].tokens == s.tokens
+    # the bootstrap on span losses is the bootstrap on the tokens
+    spans = [span_losses.SpanLosses.of(t) for t in (a, b)]
+    assert compare_spans("early-token-cursed", 8, ["a", "b"], spans, samples=300).as_dict() == compare(
+        "early-token-cursed", 8, ["a", "b"], [a, b], samples=300).as_dict()
+    # other tokens are never paired, even with as many spans of as many tokens
+    shifted = TokenScores(a.target + 1, a.span, a.position, a.log_prob)
+    with pytest.raises(UsageError, match="b and a scored different tokens"):
+        compare_spans("early-token-cursed", 8, ["a", "b"], [spans[0], span_losses.SpanLosses.of(shifted)])
+    for bad, message in ((tmp_path / "none.npz", "no such file"), (tmp_path / "bad.npz", "is not a file of span losses")):
+        if message != "no such file":
+            per_token.save(str(bad), "valid", "f", {("last-token", 5): b_last})
+        with pytest.raises(UsageError, match=message):
+            span_losses.load(str(bad))
 
 
 def write(path, split, fingerprint, scored):

@@ -1,12 +1,14 @@
 """scripts/small_comparison.py end to end at a tiny size: two models, two seeds each, trained,
 evaluated, tabulated, ranked and analysed, every number of the leaderboard and the analyses traced
 back to the evaluations; a run killed after its first model goes on where it stopped and ends with
-the same leaderboard, and a changed option redoes only what it changes."""
+the same leaderboard, and a changed option redoes only what it changes; the runs carried into
+another checkout with only the files git keeps of them are ranked again without training."""
 
 import csv
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,6 +138,46 @@ def test_a_killed_comparison_goes_on_where_it_stopped(comparison, sample_dir, tm
     more_updates = run(tiny_comparison(sample_dir, tmp_path, "--analyses", "--updates", "4"))
     assert more_updates.stdout.count("training ") == 4
     assert json.loads((runs / "alibi-seed4" / "trained.json").read_text())["key"]["fairseq-train"][-1] == "4"
+
+
+KEPT = ("trained.json", "evaluated.json", "eval.json", "span-losses.npz")
+
+
+def test_git_keeps_what_stands_for_a_run_and_nothing_heavier():
+    run_files = ["checkpoint_last.pt", "checkpoint1.pt", "per-token.npz", "position-wise.csv", "train.log", *KEPT]
+    paths = [f"results/leaderboard/alibi-seed1/{name}" for name in run_files] + [
+        "results/leaderboard/tensorboard/alibi-seed1/events.out", "results/leaderboard/analysis/extrapolation.png",
+        "results/leaderboard/leaderboard.md", "results/leaderboard/leaderboard.png", "results/leaderboard/results.md"]
+    proc = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=REPO, capture_output=True, text=True)
+    ignored = set(proc.stdout.split())
+    assert ignored == set(paths[:5] + paths[-5:-3])
+
+
+@pytest.mark.slow
+def test_runs_carried_without_checkpoints_are_ranked_again_without_training(comparison, sample_dir, tmp_path):
+    """What git keeps of a finished comparison, in a new checkout with its own data-bin: the same
+    command trains and evaluates nothing and writes the same leaderboard; the analyses that read
+    checkpoints or per-token files say so in one line; a changed evaluation option trains again."""
+    finished, _ = comparison
+    carried = tmp_path / "runs"
+    for record in finished.glob("*-seed*/trained.json"):
+        (carried / record.parent.name).mkdir(parents=True)
+        for name in KEPT:
+            shutil.copyfile(record.parent / name, carried / record.parent.name / name)
+    again = run(tiny_comparison(sample_dir, tmp_path, "--analyses", "extrapolation"))
+    assert "training" not in again.stdout and "evaluating" not in again.stdout
+    assert again.stdout.count("is kept without its checkpoint, trained and evaluated so") == 4
+    assert (carried / "leaderboard.csv").read_text() == (finished / "leaderboard.csv").read_text()
+    assert (carried / "leaderboard.md").read_text() == (finished / "leaderboard.md").read_text()
+    assert (carried / "analysis" / "extrapolation.csv").read_text() == (
+        finished / "analysis" / "extrapolation.csv").read_text()
+
+    needs_checkpoints = run(tiny_comparison(sample_dir, tmp_path, "--analyses", "kernels"), check=False)
+    assert needs_checkpoints.returncode == 2 and len(needs_checkpoints.stderr.strip().splitlines()) == 1
+    assert re.fullmatch(r"small_comparison: error: kerple-analyze kernels reads \S+checkpoint_last.pt \(and 1 more\), "
+                        r"absent: a run kept without its checkpoint .*", needs_checkpoints.stderr.strip())
+    fewer_targets = run(tiny_comparison(sample_dir, tmp_path, "--analyses", "--num-targets", "6"))
+    assert fewer_targets.stdout.count("training ") == 4 and fewer_targets.stdout.count("evaluating ") == 4
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ import numpy as np
 
 from kerple_fairseq.analysis import significance
 from kerple_fairseq.errors import UsageError
-from kerple_fairseq.evaluation.per_token import TokenScores
+from kerple_fairseq.evaluation.span_losses import SpanLosses
 from kerple_fairseq.evaluation.spans import PROTOCOLS
 
 RESOLVED, NOT_RESOLVED = "resolved", "not resolved"
@@ -94,10 +94,10 @@ class Leaderboard:
 
 
 def build(entrants: Sequence[Entrant], seeds: Sequence[int], train_length: int,
-          scores: Callable[[str, int], Dict[Tuple[str, int], TokenScores]],
+          scores: Callable[[str, int], Dict[Tuple[str, int], SpanLosses]],
           samples: int = 1000, bootstrap_seed: int = 1, confidence: float = 0.95) -> Leaderboard:
     """The board of ``entrants``, each trained with every one of ``seeds``; ``scores(name, k)`` gives the
-    per-token scores of model ``name``'s k-th seed by protocol and length."""
+    span losses of model ``name``'s k-th seed by protocol and length."""
     names = [e.name for e in entrants]
     lengths = sorted({r["length"] for e in entrants for records in e.records for r in records})
     protocols = [p for p in PROTOCOLS if any(r["protocol"] == p for e in entrants for records in e.records for r in records)]
@@ -121,9 +121,9 @@ def build(entrants: Sequence[Entrant], seeds: Sequence[int], train_length: int,
         for k in range(len(seeds)):
             mine = scores(e.name, k)
             for (reference, protocol, n), v in versus.items():
-                c = significance.compare(protocol, n, [reference, e.name], [scores(reference, k)[protocol, n],
-                                                                            mine[protocol, n]],
-                                         samples, bootstrap_seed, confidence, replicate=k + 1)
+                c = significance.compare_spans(protocol, n, [reference, e.name],
+                                               [scores(reference, k)[protocol, n], mine[protocol, n]],
+                                               samples, bootstrap_seed, confidence, replicate=k + 1)
                 v.difference.append(c.difference[0])
                 v.interval.append(c.difference_interval[0])
         board.versus.extend(versus.values())

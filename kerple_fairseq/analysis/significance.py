@@ -23,13 +23,9 @@ import numpy as np
 
 from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation.per_token import TokenScores
+from kerple_fairseq.evaluation.span_losses import SpanLosses
 
 MAX_DRAWS_AT_ONCE = 4_000_000  # unit indices drawn per chunk of samples (bounds memory)
-
-
-def unit_losses(scores: TokenScores, num_units: int) -> np.ndarray:
-    """``[units]`` float64: each span's summed natural-log loss."""
-    return np.bincount(scores.span, weights=-scores.log_prob.astype(np.float64), minlength=num_units)
 
 
 def bootstrap_perplexities(losses: np.ndarray, counts: np.ndarray, samples: int, seed: int) -> np.ndarray:
@@ -109,26 +105,28 @@ def across_seeds(runs: Sequence[Comparison]) -> SeedSpread:
     )
 
 
-def check_same_tokens(protocol: str, length: int, labels: Sequence[str], scored: Sequence[TokenScores]) -> None:
-    first = scored[0]
-    for label, s in zip(labels[1:], scored[1:]):
-        if not (np.array_equal(s.target, first.target) and np.array_equal(s.span, first.span)):
-            raise UsageError(f"{label} and {labels[0]} scored different tokens under {protocol} at length "
-                             f"{length}; compare files of the same split, protocol, length and --num-targets")
-
-
 def compare(protocol: str, length: int, labels: Sequence[str], scored: Sequence[TokenScores],
             samples: int = 1000, seed: int = 1, confidence: float = 0.95, replicate: int = 1) -> Comparison:
     """The paired bootstrap of ``scored`` (one per model, the first the baseline; the ``replicate``-th
     training run of each)."""
+    return compare_spans(protocol, length, labels, [SpanLosses.of(s) for s in scored], samples, seed, confidence,
+                         replicate)
+
+
+def compare_spans(protocol: str, length: int, labels: Sequence[str], scored: Sequence[SpanLosses],
+                  samples: int = 1000, seed: int = 1, confidence: float = 0.95, replicate: int = 1) -> Comparison:
+    """:func:`compare` on each model's span losses, which must come from the same scored tokens."""
     if len(scored) < 2:
         raise UsageError("compare needs at least two models")
     if not 0 < confidence < 1:
         raise UsageError(f"the confidence level must be between 0 and 1, got {confidence}")
-    check_same_tokens(protocol, length, labels, scored)
-    num_units = int(scored[0].span.max()) + 1
-    counts = np.bincount(scored[0].span, minlength=num_units)
-    losses = np.stack([unit_losses(s, num_units) for s in scored])  # [models, units]
+    for label, s in zip(labels[1:], scored[1:]):
+        if s.tokens != scored[0].tokens:
+            raise UsageError(f"{label} and {labels[0]} scored different tokens under {protocol} at length "
+                             f"{length}; compare files of the same split, protocol, length and --num-targets")
+    counts = scored[0].count
+    num_units = counts.size
+    losses = np.stack([s.loss for s in scored])  # [models, units]
     observed = np.exp(losses.sum(axis=1) / counts.sum())
     boot = bootstrap_perplexities(losses, counts, samples, seed)
     tails = [100 * (1 - confidence) / 2, 100 * (1 + confidence) / 2]

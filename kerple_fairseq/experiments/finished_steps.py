@@ -47,14 +47,18 @@ class Step:
     key: dict
     outputs: Sequence[Path]
 
-    def finished(self) -> Optional[float]:
-        """The seconds the step took if it finished with this key and its outputs are all there, else None."""
+    def finished(self, unchecked: Sequence[str] = ()) -> Optional[float]:
+        """The seconds the step took if it finished with this key and its outputs are all there, else None;
+        the entries of the key named in ``unchecked`` may differ."""
         try:
             done = json.loads(self.record.read_text())
         except (OSError, ValueError):
             return None
-        if (not isinstance(done, dict) or done.get("key") != json.loads(json.dumps(self.key))
-                or not all(p.exists() for p in self.outputs)):
+        if not isinstance(done, dict) or not isinstance(done.get("key"), dict):
+            return None
+        recorded, expected = ({k: v for k, v in key.items() if k not in unchecked}
+                              for key in (done["key"], json.loads(json.dumps(self.key))))
+        if recorded != expected or not all(p.exists() for p in self.outputs):
             return None
         return float(done.get("seconds", 0.0))
 

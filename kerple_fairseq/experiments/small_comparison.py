@@ -3,7 +3,10 @@ position encoding, evaluated under the early-token-cursed and last-token protoco
 tabulated, ranked on a leaderboard over seeds, and analysed by kerple-analyze (perplexity against
 length, paired-bootstrap intervals, kernel curves, effective lengths, position-wise perplexity,
 receptive field, attention by distance). Every finished training and evaluation is recorded
-(:mod:`finished_steps`), so the same command after an interruption goes on where it stopped."""
+(:mod:`finished_steps`), so the same command after an interruption goes on where it stopped; a run's
+records, results and span losses (:mod:`~kerple_fairseq.evaluation.span_losses`) stand for it
+without its checkpoint, so that a finished run can be committed and the comparison continued in
+another checkout."""
 
 import argparse
 import json
@@ -17,7 +20,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from kerple_fairseq.analysis import figures, leaderboard
 from kerple_fairseq.analysis.output_files import write_csv, write_text
-from kerple_fairseq.evaluation import per_token
+from kerple_fairseq.errors import UsageError
+from kerple_fairseq.evaluation import per_token, span_losses
 from kerple_fairseq.evaluation.checkpoint_file import data_only_environment
 from kerple_fairseq.experiments.comparison import (
     PROTOCOLS, CommandFailed, Comparison, Evaluated, Model, markdown_table, protocol_rows)
@@ -97,20 +101,26 @@ def trained_alike(args: argparse.Namespace, step: Step, seed: int) -> Optional[P
     return None
 
 
-def train(args: argparse.Namespace, data_bin: Path, data: str, name: str, seed: int) -> Tuple[Path, float]:
-    """fairseq-train of model ``name`` with ``seed`` from scratch in its run's directory, on ``data_bin``
-    (whose fingerprint is ``data``); its last checkpoint and the seconds spent now. A run finished
-    before with the same options is kept; one cut short is started again. A model trained as another
-    finished run in ``--out`` was (same options and seed) gets a copy of that one's checkpoint."""
+def training(args: argparse.Namespace, data: str, name: str, seed: int) -> Step:
+    """The training of model ``name`` with ``seed`` in its run's directory on the data-bin whose
+    fingerprint is ``data``: its record, key (the fairseq-train options and the data) and checkpoint."""
     save_dir = run_dir(args, name, seed)
-    checkpoint = save_dir / "checkpoint_last.pt"
     flags = [str(f) for f in [
         *POSITION_ENCODINGS[name].model_flags(), "--kernel-parameterization", args.kernel_parameterization,
         *model_size_flags(args.layers, args.width, args.heads, dropout=0.1),
         *cpu_training_flags(args.train_length, args.max_tokens, lr=0.002, warmup_updates=20, seed=seed,
                             log_format="simple", log_interval=25, adam_betas="(0.9, 0.98)", clip_norm=1.0),
         "--max-update", args.updates]]
-    step = Step(save_dir / "trained.json", {"fairseq-train": flags, "data": data}, [checkpoint])
+    return Step(save_dir / "trained.json", {"fairseq-train": flags, "data": data}, [save_dir / "checkpoint_last.pt"])
+
+
+def train(args: argparse.Namespace, data_bin: Path, step: Step, name: str, seed: int) -> Tuple[Path, float]:
+    """fairseq-train of model ``name`` with ``seed`` from scratch, the :func:`training` ``step``, on
+    ``data_bin``; its last checkpoint and the seconds spent now. A run finished before with the same
+    options is kept; one cut short is started again. A model trained as another finished run in
+    ``--out`` was (same options and seed) gets a copy of that one's checkpoint."""
+    save_dir, checkpoint = step.record.parent, step.outputs[0]
+    flags = step.key["fairseq-train"]
     if step.finished() is not None:
         stage(f"{save_dir.name} is trained so already: keeping {checkpoint}")
         return checkpoint, 0.0
@@ -130,6 +140,17 @@ def train(args: argparse.Namespace, data_bin: Path, data: str, name: str, seed: 
     seconds = time.time() - started
     step.complete(seconds)
     return checkpoint, seconds
+
+
+SPAN_LOSSES = "span-losses.npz"
+
+
+def keep_span_losses(run: Path) -> None:
+    """The run's span losses from its per-token file, if it has none: what its place on the
+    leaderboard needs once the checkpoint and the per-token file are gone."""
+    if not (run / SPAN_LOSSES).exists():
+        scored = per_token.load(str(run / "per-token.npz")).scored
+        span_losses.save(str(run / SPAN_LOSSES), {key: span_losses.SpanLosses.of(s) for key, s in scored.items()})
 
 
 ANALYSES = ("extrapolation", "compare", "kernels", "effective-length", "position-wise", "receptive-field", "attention")
@@ -154,6 +175,13 @@ def analyse(args: argparse.Namespace, data_bin: Path, checkpoints: Dict[Run, Pat
         ["attention", *on_data, *paths],
     ]
     for analysis in (a for a in analyses if a[0] in args.analyses):
+        inputs = [a for a in analysis if isinstance(a, Path) and a.suffix in (".pt", ".npz")]
+        missing = [path for path in inputs if not path.exists()]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise UsageError(f"kerple-analyze {analysis[0]} reads {missing[0]}{more}, absent: a run kept without its "
+                             f"checkpoint and per-token file lacks them; leave {analysis[0]} out of --analyses, or "
+                             "remove that run's trained.json to train it again")
         stage(f"kerple-analyze {analysis[0]}")
         run([sys.executable, SCRIPTS / "analyze.py", *analysis],
             show=lambda line: line.startswith((*first, "kerple-analyze", *PROTOCOLS, " ")))
@@ -178,9 +206,9 @@ def write_leaderboard(args: argparse.Namespace, evaluated: Dict[Run, Evaluated])
                                     [evaluated[name, seed].records for seed in args.seeds])
                 for name in args.models]
 
-    @lru_cache(maxsize=16)  # the references' files are read again for every model
+    @lru_cache(maxsize=None)  # the references' files are read again for every model
     def scores(name: str, k: int):
-        return per_token.load(str(run_dir(args, name, args.seeds[k]) / "per-token.npz")).scored
+        return span_losses.load(str(run_dir(args, name, args.seeds[k]) / SPAN_LOSSES))
 
     board = leaderboard.build(entrants, args.seeds, args.train_length, scores)
     seconds = sum(json.loads((run_dir(args, name, seed) / record).read_text())["seconds"]
@@ -230,13 +258,15 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
         announce=lambda model: stage(
             f"evaluating {run_label(args, *model.key)} at lengths {', '.join(map(str, args.eval_lengths))}: early-token-cursed "
             f"(every token, non-overlapping blocks) and last-token ({args.num_targets} targets)"),
-        log=stage)
+        log=stage, kept=(SPAN_LOSSES,), keep=keep_span_losses)
+    steps = {(name, seed): training(args, comparison.data_fingerprint, name, seed)
+             for seed in args.seeds for name in args.models}  # every model's first seed before any second
     evaluated = comparison.train_and_evaluate([
-        Model((name, seed), partial(train, args, data_bin, comparison.data_fingerprint, name, seed),
+        Model((name, seed), partial(train, args, data_bin, step, name, seed),
               eval_flags=[*POSITION_ENCODINGS[name].eval_flags,
                           "--position-wise", run_dir(args, name, seed) / "position-wise.csv",
-                          "--per-token", run_dir(args, name, seed) / "per-token.npz"])
-        for seed in args.seeds for name in args.models])  # every model's first seed before any second
+                          "--per-token", run_dir(args, name, seed) / "per-token.npz"], training=step)
+        for (name, seed), step in steps.items()])
     results = {run_label(args, *key): e.records for key, e in evaluated.items()}
     text = (f"Validation perplexity (early-token-cursed: every token, non-overlapping blocks; last-token: "
             f"the same {args.num_targets} targets after L-1 tokens), trained at L={args.train_length} "
