@@ -17,6 +17,8 @@ import time
 import pytest
 import torch
 
+from kerple_fairseq.evaluation import span_losses
+
 from conftest import REPO, run
 
 LENGTHS = (16, 32)
@@ -135,6 +137,9 @@ def test_a_killed_comparison_goes_on_where_it_stopped(comparison, sample_dir, tm
     assert "training" not in again.stdout and "evaluating" not in again.stdout and modified(runs) == finished
     fewer_targets = run(tiny_comparison(sample_dir, tmp_path, "--analyses", "--num-targets", "6"))
     assert "training" not in fewer_targets.stdout and fewer_targets.stdout.count("evaluating ") == 4
+    for kept in runs.glob("*-seed*/span-losses.npz"):  # written again with the evaluation
+        assert {n: s.count.size for (p, n), s in span_losses.load(str(kept)).items() if p == "last-token"} == {
+            n: 6 for n in LENGTHS}
     more_updates = run(tiny_comparison(sample_dir, tmp_path, "--analyses", "--updates", "4"))
     assert more_updates.stdout.count("training ") == 4
     assert json.loads((runs / "alibi-seed4" / "trained.json").read_text())["key"]["fairseq-train"][-1] == "4"

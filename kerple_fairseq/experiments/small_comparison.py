@@ -146,11 +146,10 @@ SPAN_LOSSES = "span-losses.npz"
 
 
 def keep_span_losses(run: Path) -> None:
-    """The run's span losses from its per-token file, if it has none: what its place on the
-    leaderboard needs once the checkpoint and the per-token file are gone."""
-    if not (run / SPAN_LOSSES).exists():
-        scored = per_token.load(str(run / "per-token.npz")).scored
-        span_losses.save(str(run / SPAN_LOSSES), {key: span_losses.SpanLosses.of(s) for key, s in scored.items()})
+    """The run's span losses from its per-token file: what its place on the leaderboard needs once the
+    checkpoint and the per-token file are gone."""
+    scored = per_token.load(str(run / "per-token.npz")).scored
+    span_losses.save(str(run / SPAN_LOSSES), {key: span_losses.SpanLosses.of(s) for key, s in scored.items()})
 
 
 ANALYSES = ("extrapolation", "compare", "kernels", "effective-length", "position-wise", "receptive-field", "attention")
