@@ -15,9 +15,9 @@ setup(
         'fairseq-fixed==0.12.3.1; python_version >= "3.11"',
         "torch",
         "sacremoses",
-        # fairseq 0.12 calls np.compat.long when it batches by sentence (--sample-break-mode eos,
-        # complete, complete_doc) and in generation; NumPy 2.0 removed np.compat from its namespace
-        "numpy<2",
+        # NumPy 1 or 2, whichever the environment holds: fairseq 0.12's np.compat, which NumPy 2
+        # removed, is supplied by kerple_fairseq/fairseq_changes.py
+        "numpy",
         "tensorboard",
     ],
     extras_require={"test": ["pytest"], "plots": ["matplotlib"]},

@@ -14,10 +14,9 @@ with logging_left_to_the_process():
     import fairseq  # noqa: F401
     from fairseq import models as _fairseq_models, tasks as _fairseq_tasks  # noqa: F401  (all their modules)
 
-from kerple_fairseq.errors import KernelConfigError, install_one_line_errors  # noqa: E402
+from kerple_fairseq.errors import KernelConfigError  # noqa: E402
 from kerple_fairseq import kernels, models  # noqa: F401,E402  (registration)
-from kerple_fairseq.evaluation.checkpoint_file import allow_checkpoint_globals  # noqa: E402
-from kerple_fairseq.training import install_training_fixes  # noqa: E402
+from kerple_fairseq.fairseq_changes import apply_all  # noqa: E402
 
 
 def _register_fairseq_user_dir_alias() -> None:
@@ -33,8 +32,6 @@ def _register_fairseq_user_dir_alias() -> None:
 
 
 _register_fairseq_user_dir_alias()
-install_one_line_errors()
-allow_checkpoint_globals()  # fairseq's own weights-only loads read older checkpoints' `args` too
-install_training_fixes()  # torchrun and gloo on CPU, bounded waits, whole checkpoints, resuming on other process counts
+apply_all()  # every change to fairseq, listed in kerple_fairseq/fairseq_changes.py
 
 __all__ = ["KernelConfigError"]

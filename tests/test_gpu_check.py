@@ -1,12 +1,18 @@
 """scripts/gpu-check.sh and its bundle, without a GPU: the dry run prepares the bundle (from PyPI) and
 checks it, and every command it prints is one its program accepts; installing refuses a bundle
-altered or naming the machine's PyTorch, before pip installs anything; the training step's summary
-reads fairseq's JSON log."""
+altered or naming the machine's PyTorch or NumPy, before pip installs anything, and installs only what
+an environment lacks, changing nothing it holds; a step past its time is cut, what it finished kept
+(pytest's report too), the next step run, and gpu-check.json whole after every step; the training
+step's summary reads fairseq's JSON log."""
 
 import importlib.util
 import json
+import os
+import re
 import shlex
+import subprocess
 import sys
+import time
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -14,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run
-from kerple_fairseq.experiments import gpu_bundle, gpu_check
+from gpu_tools import bundle as gpu_bundle, check as gpu_check
 
 # a fairseq-train --log-format json log of the training step's kind (a CPU fp16 run of kerple_log),
 # shortened, with an overflow as fairseq logs it
@@ -95,9 +101,9 @@ def test_installing_refuses_a_bundle_altered_or_naming_the_machines_pytorch(tmp_
 
     with pytest.raises(gpu_bundle.BundleError, match="pip would install"):
         gpu_bundle.check_plan({"kerple-test-pkg": "2.0"}, manifest, ("wheel",))
-    with pytest.raises(gpu_bundle.BundleError, match="refusing to install nvidia-cublas, torch"):
-        gpu_bundle.check_plan({"kerple-test-pkg": "1.0", "torch": "2.13.0", "nvidia-cublas": "13"}, manifest,
-                              ("wheel",))
+    with pytest.raises(gpu_bundle.BundleError, match="refusing to install numpy, nvidia-cublas, torch"):
+        gpu_bundle.check_plan({"kerple-test-pkg": "1.0", "torch": "2.13.0", "nvidia-cublas": "13", "numpy": "1.26.4"},
+                              manifest, ("wheel",))
 
     pure_wheel(bundle / "wheels", "torch", "9.9")  # a file the manifest does not name
     with pytest.raises(gpu_bundle.BundleError, match="not in its manifest: wheels/torch-9.9-py3-none-any.whl"):
@@ -116,14 +122,82 @@ def test_gpu_check_stops_at_a_refused_bundle_before_installing_anything(tmp_path
     bundle = fake_bundle(tmp_path / "bundle", [("kerple-test-pkg", "1.0")])
     pure_wheel(bundle / "wheels", "torch", "9.9")
     monkeypatch.setattr(gpu_check, "gpu_name", lambda: "a GPU")
-    pip = []
-    monkeypatch.setattr(gpu_bundle.subprocess, "run", lambda *args, **kwargs: pip.append(args))
+    ran = []
+    monkeypatch.setattr(subprocess, "run", lambda args, **kwargs: ran.append(args) or
+                        subprocess.CompletedProcess(args, 0, "", ""))
     paths = gpu_check.Paths(repo=REPO, bundle=bundle, results=tmp_path / "results", work=tmp_path / "work")
-    assert gpu_check.check(paths, dry_run=False) == 3
-    assert pip == [], "nothing ran"
+    assert gpu_check.check(paths, "gpu") == 3
+    assert not [args for args in ran if "pip" in args], "pip ran"
     report = json.loads((tmp_path / "results" / "gpu-check.json").read_text())
-    assert report["steps"] == {"install": {"status": "refused", "seconds": pytest.approx(0, abs=5)}}
+    assert {name: step["status"] for name, step in report["steps"].items()} == {"preflight": "ok", "install": "refused"}
+    assert report["machine"]["gpu"] == "a GPU"
     assert "not in its manifest: wheels/torch-9.9" in (tmp_path / "results" / "gpu-check.log").read_text()
+
+
+@pytest.mark.slow
+def test_install_adds_what_the_environment_lacks_and_changes_nothing_it_holds(tmp_path):
+    """The bundle's pip 0.1 is not installed over the environment's pip; the package it lacks is."""
+    run([sys.executable, "-m", "venv", tmp_path / "env"])
+    python = str(tmp_path / "env" / "bin" / "python")
+    pip_version = run([python, "-c", "import pip; print(pip.__version__)"]).stdout.strip()
+    bundle = fake_bundle(tmp_path / "bundle", [("kerple-test-pkg", "1.0"), ("pip", "0.1")])
+    plugin = pure_wheel(tmp_path, "kerple-fairseq", "0.1.0")  # in place of this checkout
+    said = []
+    assert gpu_bundle.install(bundle, plugin, python, said.append) == ["+ kerple-fairseq 0.1.0", "+ kerple-test-pkg 1.0"]
+    assert f"kept the environment's pip {pip_version} (the bundle's: 0.1)" in said
+    assert not any("--upgrade" in line for line in said)
+    assert gpu_bundle.install(bundle, plugin, python, said.append) == [], "a second install changes nothing"
+    assert gpu_bundle.snapshot(python)["pip"] == pip_version
+    assert gpu_bundle.changed({"numpy": "2.5.2", "scipy": "1.18.1", "kerple-fairseq": "0.1.0"},
+                              {"numpy": "1.26.4", "kerple-fairseq": "0.2.0"}) == ["numpy 2.5.2 -> 1.26.4",
+                                                                                 "scipy 1.18.1 -> removed"]
+
+
+def test_a_step_past_its_time_is_cut_its_output_kept_and_the_next_step_run(tmp_path, monkeypatch):
+    """gpu-check.json, as each step begins, holds every step before it."""
+    monkeypatch.setattr(gpu_check, "SHARES", {"preflight": 1, "install": 1, "cuda-tests": 3, "speed": 2, "train": 2,
+                                              "eval": 1})
+    monkeypatch.setattr(gpu_check, "GRACE", (5, 2))
+    monkeypatch.setattr(gpu_check, "MIN_STEP_SECONDS", 0.5)
+    seen = {}
+
+    def runner(name, cmd=None):
+        def run_step(paths, mode, python, limit, log, env, gpu, builder):
+            seen[name] = json.loads((paths.results / "gpu-check.json").read_text())["steps"]
+            if cmd is None:
+                return gpu_check.Outcome("ok", 0.0, {}), {f"{name}_figures": name}
+            return gpu_check.run_side_by_side({"work": cmd}, limit, log, env), {}
+        return run_step
+
+    slow = [sys.executable, "-c", "import time; print('first half done', flush=True); time.sleep(60)"]
+    monkeypatch.setattr(gpu_check, "STEP_RUNNERS", {**{name: runner(name) for name in gpu_check.STEPS},
+                                                    "cuda-tests": runner("cuda-tests", slow)})
+    paths = gpu_check.Paths(repo=REPO, bundle=tmp_path, results=tmp_path / "results", work=tmp_path / "work")
+    start = time.monotonic()
+    assert gpu_check.check(paths, "gpu", budget=10) == 1
+    assert time.monotonic() - start < 10 + 5
+    report = json.loads((paths.results / "gpu-check.json").read_text())
+    statuses = {name: step["status"] for name, step in report["steps"].items()}
+    assert statuses == {"preflight": "ok", "install": "ok", "cuda-tests": "cut", "speed": "ok", "train": "ok",
+                        "eval": "ok"}
+    assert 3 <= report["steps"]["cuda-tests"]["seconds"] < 6 + 5
+    assert report["eval_figures"] == "eval" and report["install_figures"] == "install"
+    for i, name in enumerate(gpu_check.STEPS):
+        assert list(seen[name]) == list(gpu_check.STEPS[:i]), name
+    assert "first half done" in (paths.results / "gpu-check.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_cut_test_run_leaves_its_report(tmp_path):
+    """pytest, cut as the CUDA tier would be, still writes its JUnit XML with what it finished."""
+    tests = tmp_path / "test_halves.py"
+    tests.write_text("import time\n\ndef test_quick():\n    pass\n\ndef test_slow():\n    time.sleep(120)\n")
+    junit = tmp_path / "report.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", str(tests)]
+    outcome = gpu_check.run_side_by_side({"pytest": cmd}, 10, gpu_check.Log(tmp_path / "log"), dict(os.environ))
+    assert outcome.status == "cut"
+    summary = gpu_check.summarize_tests(junit)
+    assert (summary["passed"], summary["failed"], summary["interrupted"]) == (1, 0, 1)
 
 
 def printed_commands(log: str):
@@ -158,16 +232,19 @@ def test_dry_run_prepares_the_bundle_and_prints_commands_their_programs_accept(t
     log = (results / "gpu-check.log").read_text()
     assert log.strip() == proc.stdout.strip()
     report = json.loads((results / "gpu-check.json").read_text())
-    assert report["gpu"] == "no GPU: dry run"
+    assert report["gpu"] == "no GPU: dry-run"
     assert {name: step["status"] for name, step in report["steps"].items()} == {
-        "install": "printed", "cuda-tests": "ok", "data": "ok", "train": "ok", "eval": "printed", "speed": "printed"}
+        "preflight": "ok", "install": "printed", "cuda-tests": "ok", "speed": "printed", "train": "ok",
+        "eval": "printed"}
 
-    # the bundle: every pin, for the GPU machine's Python, nothing it lacks, under the transfer limit
+    # the bundle: every pin but fairseq's wheel (built only by a builder of the GPU image's versions),
+    # for the GPU machine's Python, nothing it lacks, under the transfer limit
     manifest = gpu_bundle.verify(bundle)
-    assert [(p["name"], p["version"]) for p in manifest["packages"]] == [(p.name, p.version) for p in gpu_bundle.PINS]
-    assert (bundle / "sdist" / "fairseq_fixed-0.12.3.1.tar.gz").is_file()
+    assert [(p["name"], p["version"]) for p in manifest["packages"]] == [
+        (p.name, p.version) for p in gpu_bundle.PINS if p.form != "built wheel"]
+    assert "not building fairseq-fixed==0.12.3.1: no builder here" in log
     assert sorted(p.name for p in (bundle / "wheels").iterdir()) == sorted(
-        Path(p["file"]).name for p in manifest["packages"] if p["form"] != "sdist")
+        Path(p["file"]).name for p in manifest["packages"])
     assert all("-cp312-cp312-manylinux" in p.name or p.name.endswith("-py3-none-any.whl")
                for p in (bundle / "wheels").iterdir())
     assert gpu_bundle.unbundled_requirements(bundle, manifest, metadata.requires("kerple-fairseq")) == []
@@ -175,14 +252,17 @@ def test_dry_run_prepares_the_bundle_and_prints_commands_their_programs_accept(t
     assert "pip takes every wheel for Python 3.12" in log
 
     commands = printed_commands(log)
-    # install: from the bundle's files only, never an index or dependencies
+    # install: from the bundle's files only, never an index, dependencies, or over what is there
     installs = commands["pip"]
-    assert len(installs) == 3 and all("--no-index" in c and "--no-deps" in c for c in installs)
+    assert len(installs) == 2 and all("--no-index" in c and "--no-deps" in c and "--upgrade" not in c
+                                      for c in installs)
     named = {a for c in installs for a in c if a.startswith(str(bundle))}
     assert named == {str(bundle / p["file"]) for p in manifest["packages"]}
     # cuda tests: the marker is registered, and the dry run collected the tier
     (pytest_cmd,) = commands["pytest"]
-    assert pytest_cmd[pytest_cmd.index("-m", 3) + 1] == "cuda"
+    assert pytest_cmd[pytest_cmd.index("-m", 3) + 1] == "cuda" and "--collect-only" in pytest_cmd
+    collected = re.search(r"^(\d+) tests collected", log, re.M)
+    assert collected and int(collected.group(1)) >= 100, "the CUDA tier's collection"
     assert "@pytest.mark.cuda:" in run([pytest_cmd[0], "-m", "pytest", "--markers", REPO / "tests"]).stdout
     # training: the script ran its own dry run; fairseq-train takes the command lines it printed
     assert [c[2] for c in commands["train_wikitext_103.py"]] == list(gpu_check.TRAINED)
@@ -192,7 +272,7 @@ def test_dry_run_prepares_the_bundle_and_prints_commands_their_programs_accept(t
     for model, argv in trains.items():
         args = options.parse_args_and_arch(options.get_training_parser(), argv[1:])
         assert args.arch == f"transformer_lm_{'alibi' if model == 'alibi' else 'kerple'}_wiki103"
-        assert (args.max_update, args.update_freq, args.fp16) == (200, [1], True)
+        assert (args.max_update, args.update_freq, args.fp16, args.save_interval_updates) == (200, [1], True, 50)
         assert args.adaptive_input_cutoff == args.adaptive_softmax_cutoff == "20000,30000"
     # evaluation and kernels: kerple-eval-lm's and kerple-analyze's parsers take them
     for argv in commands["eval_lm.py"]:

@@ -27,13 +27,8 @@ import torch
 import torch.nn.functional as F
 from fairseq.logging import metrics
 from fairseq.optim.adam import Adam
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensor,
-    FakeTensorDeviceMismatchError,
-    FakeTensorMode,
-)
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -81,6 +76,13 @@ TORCH = Path(torch.__file__).resolve().parent
 THIS_FILE = Path(__file__).resolve()
 
 
+def mixes_devices(error: RuntimeError) -> bool:
+    """``FakeTensorMode``'s refusal of an operator given two devices: ``FakeTensorDeviceMismatchError``
+    from torch 2.12 on, a plain ``RuntimeError`` before (the GPU image's torch 2.11)."""
+    mismatch = getattr(fake_tensor, "FakeTensorDeviceMismatchError", ())
+    return isinstance(error, mismatch) or "Unhandled FakeTensor Device Propagation" in str(error)
+
+
 class DeviceWatch(TorchDispatchMode):
     """Runs above ``FakeTensorMode`` and fails, recording it in ``failures`` by source line (so that it
     is seen even where the model catches the exception): a host read of a device value, a shape that
@@ -112,8 +114,12 @@ class DeviceWatch(TorchDispatchMode):
             self.fail(f"{func}: a copy between host and device memory")
         try:
             return func(*args, **kwargs)
-        except (DataDependentOutputException, DynamicOutputShapeException, FakeTensorDeviceMismatchError) as error:
+        except (DataDependentOutputException, DynamicOutputShapeException) as error:
             self.fail(f"{type(error).__name__}: {error}")
+        except RuntimeError as error:
+            if mixes_devices(error):
+                self.fail(f"{type(error).__name__}: {error}")
+            raise
 
     def where(self) -> Tuple[str, str]:
         """(file, source line) of the innermost frame outside torch and the watch: the line that asked;

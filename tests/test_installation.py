@@ -32,15 +32,18 @@ def test_every_fairseq_task_and_criterion_imports_without_loading_torchaudio():
 
 SENTENCE_BATCHES = """
 import numpy as np, torch
+import kerple_fairseq  # as fairseq's commands load it (--user-dir)
 from fairseq.data import TokenBlockDataset
 sentences = [torch.tensor([5, 6, 2]), torch.tensor([7, 2]), torch.tensor([8, 9, 10, 2])]
 for mode in ("eos", "complete", "complete_doc"):
     blocks = TokenBlockDataset(sentences, [3, 2, 4], block_size=8, pad=1, eos=2, break_mode=mode)
     assert sum(len(blocks[i]) for i in range(len(blocks))) == 9, mode
+assert hasattr(np, "compat") == (np.__version__ < "2"), "NumPy itself is left as it is"
 """
 
 
 def test_fairseq_batches_by_sentence_with_the_installed_numpy():
-    """fairseq 0.12 calls np.compat.long in these modes; NumPy 2 has none, and the install pins below it."""
+    """fairseq 0.12 calls np.compat.long in these modes; NumPy 2 has none, and the plugin supplies it to
+    fairseq's modules (kerple_fairseq/fairseq_changes.py), whichever NumPy is installed."""
     proc = subprocess.run([sys.executable, "-c", SENTENCE_BATCHES], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

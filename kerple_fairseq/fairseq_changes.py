@@ -1,0 +1,54 @@
+"""Every change the plugin makes to fairseq (and to how its commands end), made once when the plugin
+is imported, so that ``fairseq-train --user-dir kerple_fairseq``, ``fairseq-hydra-train``,
+``fairseq-eval-lm``, ``fairseq-interactive``/``fairseq-generate`` and the hub interface get them:
+
+- :func:`numpy2_compat`: fairseq 0.12 names ``np.compat.long`` (``--sample-break-mode eos``; translation's
+  bucketing), which NumPy 2 removed: those modules see a NumPy that still has it;
+- :func:`~kerple_fairseq.errors.install_one_line_errors`: usage errors and the plugin's errors end in
+  one line, not a traceback (``ArgumentParser.error``, ``sys.excepthook``);
+- :func:`~kerple_fairseq.evaluation.checkpoint_file.allow_checkpoint_globals`: fairseq's own
+  weights-only checkpoint loads read older checkpoints' ``args`` too;
+- :func:`~kerple_fairseq.training.install_training_fixes`: torchrun and gloo on CPU, bounded waits,
+  whole checkpoints, resuming on other process counts (``call_main``, ``distributed_init``, DDP,
+  ``PathManager``, ``EpochBatchIterator``).
+"""
+
+import types
+
+import numpy
+
+#: fairseq's modules that name ``np.compat`` (fairseq 0.12.2 and fairseq-fixed 0.12.3.1)
+NUMPY_COMPAT_USERS = ("fairseq.data.token_block_dataset", "fairseq.data.language_pair_dataset")
+
+
+class _NumPyWithCompat(types.ModuleType):
+    """NumPy as seen by a module written for NumPy 1: everything NumPy has, and ``compat.long``
+    (NumPy 1's alias of Python's ``int``)."""
+
+    compat = types.SimpleNamespace(long=int)
+
+    def __getattr__(self, name):
+        return getattr(numpy, name)
+
+
+def numpy2_compat() -> None:
+    """On NumPy 2, give the modules of :data:`NUMPY_COMPAT_USERS` a view of NumPy with ``compat.long``;
+    NumPy itself is left as it is. On NumPy 1 nothing changes."""
+    if hasattr(numpy, "compat"):
+        return
+    import importlib
+
+    view = _NumPyWithCompat("numpy")
+    for name in NUMPY_COMPAT_USERS:
+        importlib.import_module(name).np = view
+
+
+def apply_all() -> None:
+    from kerple_fairseq.errors import install_one_line_errors
+    from kerple_fairseq.evaluation.checkpoint_file import allow_checkpoint_globals
+    from kerple_fairseq.training import install_training_fixes
+
+    numpy2_compat()
+    install_one_line_errors()
+    allow_checkpoint_globals()
+    install_training_fixes()
