@@ -79,7 +79,7 @@ GRACE = (15, 5)
 #: the per-test timeout of the CUDA tier, and its pytest-xdist workers where that plugin is there (the
 #: tests' FlexAttention compiles are CPU work)
 TEST_TIMEOUT = 90
-TEST_WORKERS = 8
+TEST_WORKERS = 12
 
 
 class Outcome(NamedTuple):
@@ -115,15 +115,17 @@ class Paths(NamedTuple):
 
 
 class Budget:
-    """The command's time: a step may run until the deadline that leaves each later step its share."""
+    """The command's time: a step may run until the deadline that leaves each later step its share
+    (the shares scaled down where the budget is smaller than theirs together)."""
 
     def __init__(self, seconds: float, steps: Sequence[str]):
         self.end = time.monotonic() + seconds
         self.steps = list(steps)
+        self.scale = min(1.0, seconds / sum(SHARES[s] for s in self.steps))
 
     def limit(self, step: str) -> float:
         later = sum(SHARES[s] for s in self.steps[self.steps.index(step) + 1:])
-        return max(0.0, self.end - later - time.monotonic())
+        return max(0.0, self.end - self.scale * later - time.monotonic())
 
 
 # ------------------------------------------------------------------ the steps' commands
@@ -134,7 +136,8 @@ def commands(step: str, paths: Paths, python: str, mode: str, limit: float = 0.0
     scripts = paths.repo / "scripts"
     small = mode == "rehearse"
     if step == "cuda-tests":
-        workers = ["-n", str(TEST_WORKERS)] if gpu_bundle.installed_version("pytest-xdist") != "absent" else []
+        workers = (["-n", str(TEST_WORKERS), "--dist", "loadgroup"]
+                   if gpu_bundle.installed_version("pytest-xdist") != "absent" else [])
         return {"pytest": [python, "-m", "pytest", "-m", "cuda", "-q", "-rfEs", "-p", "no:cacheprovider", *workers,
                            "--continue-on-collection-errors", f"--timeout={TEST_TIMEOUT}", "--durations=10",
                            f"--junitxml={paths.junit}", str(paths.repo / "tests" / "test_cuda.py")]}

@@ -4,6 +4,8 @@ is imported, so that ``fairseq-train --user-dir kerple_fairseq``, ``fairseq-hydr
 
 - :func:`numpy2_compat`: fairseq 0.12 names ``np.compat.long`` (``--sample-break-mode eos``; translation's
   bucketing), which NumPy 2 removed: those modules see a NumPy that still has it;
+- :func:`~kerple_fairseq.training.adaptive_loss.install_float32_adaptive_loss`: ``adaptive_loss`` sums its
+  per-token losses in float32 (in fp16 fairseq's sum overflows to ``inf``);
 - :func:`~kerple_fairseq.errors.install_one_line_errors`: usage errors and the plugin's errors end in
   one line, not a traceback (``ArgumentParser.error``, ``sys.excepthook``);
 - :func:`~kerple_fairseq.evaluation.checkpoint_file.allow_checkpoint_globals`: fairseq's own
@@ -47,8 +49,10 @@ def apply_all() -> None:
     from kerple_fairseq.errors import install_one_line_errors
     from kerple_fairseq.evaluation.checkpoint_file import allow_checkpoint_globals
     from kerple_fairseq.training import install_training_fixes
+    from kerple_fairseq.training.adaptive_loss import install_float32_adaptive_loss
 
     numpy2_compat()
+    install_float32_adaptive_loss()
     install_one_line_errors()
     allow_checkpoint_globals()
     install_training_fixes()

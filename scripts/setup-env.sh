@@ -13,10 +13,16 @@ else
   echo "setup-env: installing into $(pwd)/.venv (fairseq is built from source unless pip has its wheel cached: up to about 6 min on 2 cores)" >&2
 fi
 "$py" -m pip install -q --upgrade pip setuptools wheel
-# Pinned: an unpinned torch resolves to a multi-GB CUDA build.
-# numpy below 2, which removed the np.compat that fairseq 0.12 calls (setup.py says where).
-"$py" -m pip install -q "torch==2.13.0" "numpy<2" cython
+# Pinned: an unpinned torch resolves to a multi-GB CUDA build. NumPy: what pip resolves (NumPy 2 today).
+"$py" -m pip install -q "torch==2.13.0" numpy cython
 # fairseq's build imports torch, so build it against the torch above (no isolated build env,
 # which would fetch another torch). setup.py picks fairseq-fixed on Python 3.11+.
 "$py" -m pip install -q --no-build-isolation ".[test,plots]"
-"$py" -c "import kerple_fairseq, fairseq, torch; print('setup-env: fairseq', fairseq.__version__, 'torch', torch.__version__)" 2>&1 | grep setup-env
+# fairseq's compiled parts must match the NumPy installed: a wheel pip cached from a build against
+# another NumPy does not load, and is rebuilt
+if ! "$py" -c "import fairseq.data.data_utils_fast, fairseq.data.token_block_utils_fast" 2>/dev/null; then
+  echo "setup-env: rebuilding fairseq against NumPy $("$py" -c 'import numpy; print(numpy.__version__)')" >&2
+  installed="$("$py" -c "from importlib import metadata as m; print([f'{d.name}=={d.version}' for d in m.distributions() if d.name in ('fairseq-fixed', 'fairseq')][0])")"
+  "$py" -m pip install -q --no-build-isolation --no-deps --no-cache-dir --force-reinstall "$installed"
+fi
+"$py" -c "import kerple_fairseq, fairseq, numpy, torch; print('setup-env: fairseq', fairseq.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__)" 2>&1 | grep setup-env

@@ -32,6 +32,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts processes (fairseq-train, fairseq-eval-lm, the scripts); "
                             "deselect with -m 'not slow'")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; scripts/gpu-check.sh runs this tier (-m cuda)")
+    config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist's --dist loadgroup runs in one worker")
 
 
 def pytest_collection_modifyitems(config, items):

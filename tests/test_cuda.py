@@ -3,6 +3,8 @@ runs on CUDA against the float64 reference computed on the CPU, forwards and eve
 gradient (FlexAttention's reach the kernels' parameters through captured tensors, with atomic adds:
 compared with tolerances), fp16 and bf16, decoding, and the known CUDA traps."""
 
+import functools
+
 import pytest
 import torch
 
@@ -17,6 +19,13 @@ CUDA = torch.device("cuda")
 BACKENDS = ["flex", "sdpa", "explicit"]
 #: methods checked in half precision, at 4096 tokens and in decoding (every one in float32)
 FEW = ["alibi", "kerple_log", "kerple_bias_wht", "fire", "fox"]
+#: the tiny models with heads of 16 dimensions, the fewest FlexAttention's CUDA kernels take
+HEADS_OF_16 = ("--decoder-attention-heads", "2")
+
+
+def cuda_model(name, *flags):
+    """:func:`~helpers.flex_method_model` with heads FlexAttention takes on CUDA."""
+    return flex_method_model(name, *HEADS_OF_16, *flags)
 
 
 @pytest.fixture(autouse=True)
@@ -39,17 +48,25 @@ def loss_and_gradients(model, tokens, backend=None):
     return lprobs.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def reference(name, tokens, *flags):
-    """The float64 CPU model on the explicit path: its log-probabilities and gradients."""
-    model = flex_method_model(name, "--unfused-attention", *flags).double().train()
-    return model, loss_and_gradients(model, tokens)
+@functools.lru_cache(maxsize=16)
+def reference(name, length, flags):
+    """The float64 CPU model on the explicit path: its log-probabilities and gradients on the tokens of
+    ``length``; computed once for every backend compared with it (the backends of a method run in one
+    pytest-xdist worker: :func:`by_method`)."""
+    model = cuda_model(name, "--unfused-attention", *flags).double().train()
+    return model, loss_and_gradients(model, random_tokens(batch=2, length=length, seed=3))
+
+
+def by_method(names):
+    """``names`` as parameters, grouped for pytest-xdist's ``--dist loadgroup`` by method."""
+    return [pytest.param(name, marks=pytest.mark.xdist_group(name)) for name in names]
 
 
 def compare(name, backend, length, dtype, *flags, tolerance):
     flags = ("--attention-dropout", "0", *flags)  # FlexAttention has no attention dropout
     tokens = random_tokens(batch=2, length=length, seed=3)
-    cpu, (expected, expected_grads) = reference(name, tokens, *flags)
-    model = flex_method_model(name, *flags).train().to(CUDA, dtype)
+    cpu, (expected, expected_grads) = reference(name, length, flags)
+    model = cuda_model(name, *flags).train().to(CUDA, dtype)
     model.load_state_dict(cpu.state_dict())
     calls = []
     original = flex.attend
@@ -64,25 +81,26 @@ def compare(name, backend, length, dtype, *flags, tolerance):
     scale = max(g.abs().max().item() for g in expected_grads.values())
     for n, g in expected_grads.items():
         assert torch.isfinite(grads[n]).all(), n
-        torch.testing.assert_close(grads[n].double().cpu(), g, rtol=0, atol=tolerance * scale, msg=n)
+        torch.testing.assert_close(grads[n].double().cpu(), g, rtol=0, atol=tolerance * scale,
+                                   msg=lambda message, n=n: f"{n}: {message}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", FLEX_METHODS)
+@pytest.mark.parametrize("name", by_method(FLEX_METHODS))
 def test_float32_forward_and_gradients(name, backend):
     """333 tokens (not a multiple of FlexAttention's 128: its block mask has the exact length)."""
     compare(name, backend, 333, torch.float32, "--attention-block-size", "0", tolerance=2e-4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", FEW)
+@pytest.mark.parametrize("name", by_method(FEW))
 def test_blocks_of_a_long_sequence(name, backend):
     compare(name, backend, 4096, torch.float32, "--attention-block-size", "1024", tolerance=5e-4)
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float16, 3e-2), (torch.bfloat16, 2e-1)])
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", FEW)
+@pytest.mark.parametrize("name", by_method(FEW))
 def test_half_precision(name, backend, dtype, tolerance):
     compare(name, backend, 512, dtype, "--attention-block-size", "0", tolerance=tolerance)
 
@@ -90,7 +108,7 @@ def test_half_precision(name, backend, dtype, tolerance):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_half_precision_is_finite_at_16k(backend, dtype):
-    model = flex_method_model("alibi").to(CUDA, dtype)
+    model = cuda_model("alibi").to(CUDA, dtype)
     model.decoder.setup.backend = backend
     with torch.no_grad():
         assert torch.isfinite(model(random_tokens(batch=1, length=16384).to(CUDA))[0]).all()
@@ -98,7 +116,7 @@ def test_half_precision_is_finite_at_16k(backend, dtype):
 
 @pytest.mark.parametrize("name", FEW)
 def test_decoding_equals_full_scoring(name):
-    model = flex_method_model(name).to(CUDA)
+    model = cuda_model(name).to(CUDA)
     tokens = random_tokens(batch=2, length=20).to(CUDA)
     model.decoder.setup.backend = "flex"
     state, steps = {}, []
@@ -112,7 +130,7 @@ def test_decoding_equals_full_scoring(name):
 @pytest.mark.parametrize("name", FEW)
 def test_padded_keys(name):
     """Compiled FlexAttention with a padding mask (not served compiled on the CPU)."""
-    model = flex_method_model(name).to(CUDA)
+    model = cuda_model(name).to(CUDA)
     tokens = random_tokens(batch=3, length=300)
     for row, length in enumerate([300, 211, 77]):
         tokens[row, length:] = model.decoder.padding_idx

@@ -191,10 +191,12 @@ def test_where_flex_is_chosen():
         assert backend(q, q, bias=fox) == "sdpa", "no compiled layer bias on CPU"
     assert backend(q, q) == "kernel gradient", "no backward on CPU"
     assert backend(q, q, preference="flex") == "kernel gradient"
-    with FakeTensorMode():  # CUDA: in training too, for any length
-        cuda = torch.empty(1, 4, 100, 8, device=torch.device("cuda", 0))
+    with FakeTensorMode():  # CUDA: in training too, for any length, with heads of 16 dimensions or more
+        cuda = torch.empty(1, 4, 100, 16, device=torch.device("cuda", 0))
+        narrow = torch.empty(1, 4, 100, 8, device=torch.device("cuda", 0))
     assert backend(cuda, cuda) == "flex"
     assert backend(cuda, cuda, dropout=0.1) == "sdpa"
+    assert backend(narrow, narrow) == "sdpa", "FlexAttention's CUDA kernels take 16 dimensions or more"
     with pytest.raises(ValueError, match="unknown attention backend"):
         backend(q, q, preference="triton")
 

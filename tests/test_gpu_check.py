@@ -286,3 +286,12 @@ def test_dry_run_prepares_the_bundle_and_prints_commands_their_programs_accept(t
     assert args.wiki103 and args.fp16 and args.baseline == "sinusoidal" and args.memory_lengths == [8192, 16384]
     for name in [args.baseline, *args.models]:
         model_flags(name, args)
+
+
+def test_a_smaller_budget_scales_every_steps_share():
+    clock = gpu_check.Budget(120, ["preflight", "install", "train", "eval"])
+    shares = sum(gpu_check.SHARES[s] for s in ("preflight", "install", "train", "eval"))
+    assert clock.scale == pytest.approx(120 / shares)
+    assert clock.limit("preflight") == pytest.approx(120 - clock.scale * (shares - gpu_check.SHARES["preflight"]), abs=1)
+    assert clock.limit("eval") == pytest.approx(120, abs=1), "the last step may use what is left"
+    assert gpu_check.Budget(10_000, ["preflight"]).scale == 1

@@ -58,6 +58,9 @@ BACKENDS = ("auto", "flex", "sdpa", "explicit")
 #: (scripts/benchmark.py, 2 cores) measured it even with sdpa at 2048 keys and 0.2-0.25x of ``none``'s
 #: time ahead at 8192
 FLEX_MIN_KEYS_CPU = 4096
+#: smallest head dimension FlexAttention's CUDA kernels take (PyTorch 2.11: "NYI: embedding dimension of
+#: the query, key, and value must be at least 16", measured on an H200)
+FLEX_MIN_HEAD_DIM_CUDA = 16
 #: SDPA's backends when a mask is passed on CUDA: not cuDNN, whose query gradient is NaN with a mask
 #: when L % 128 == 64 and a row's log-sum-exp is below about -88.7 (PyTorch issue 196678, torch 2.11-2.13)
 MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -87,13 +90,14 @@ def choose_backend(q: Tensor, k: Tensor, bias: DistanceBlockBias, *, preference:
 
 def flex_serves(q: Tensor, bias: DistanceBlockBias, dropout: float, key_padding_mask: Optional[Tensor]) -> bool:
     """FlexAttention can attend the block: a bias it reads (every distance kernel, FIRE, FoX), a dtype
-    it takes (not float64), no attention dropout; on CPU, no gradient (it has no CPU backward) and,
+    it takes (not float64), no attention dropout; on CUDA, heads of at least
+    :data:`FLEX_MIN_HEAD_DIM_CUDA` dimensions; on CPU, no gradient (it has no CPU backward) and,
     compiled, neither key padding nor a layer's own bias (PyTorch 2.13's CPU compiler fails on terms
     that read the batch index, as padding and FoX do, and on FIRE's)."""
     if not (flex.available() and bias.serves_flex and dropout == 0.0 and q.dtype in flex.DTYPES):
         return False
     if q.device.type == "cuda":
-        return True
+        return q.size(-1) >= FLEX_MIN_HEAD_DIM_CUDA
     return (q.device.type == "cpu" and not torch.is_grad_enabled()
             and (not flex.COMPILED or (key_padding_mask is None and not bias.has_layer_term)))
 

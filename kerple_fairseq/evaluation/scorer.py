@@ -60,7 +60,7 @@ class WindowScorer:
         for lo in range(offset, src.size(1), step):
             hi = min(lo + step, src.size(1))
             logits = self.model.decoder.output_layer(features[:, lo:hi])
-            target = tgt[:, lo:hi]
+            target = tgt[:, lo:hi].contiguous()  # an adaptive softmax views it flat
             lprobs = self.model.get_normalized_probs((logits, extra), log_probs=True, sample={"target": target})
             pieces.append(lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1).float())
         scored = torch.cat(pieces, dim=1).cpu().numpy()
