@@ -10,7 +10,10 @@ import torch
 from fairseq import checkpoint_utils
 
 from conftest import BIN, REPO, run, stock_eval_lm
+from helpers import random_tokens, tiny_model
 from kerple_fairseq.evaluation.cli import TABLE_HEADER, format_row
+from kerple_fairseq.evaluation.scorer import WindowScorer
+from kerple_fairseq.evaluation.spans import ScoredSpan
 
 # checkpoints trained with fairseq-train and the installed command in subprocesses
 pytestmark = pytest.mark.slow
@@ -276,3 +279,21 @@ def test_per_token_file_holds_every_scored_token(trained, data_bin, tmp_path):
     c = compare("last-token", 200, ["alibi", "kerple_log"], scored, samples=200)
     low, high = c.difference_interval[0]
     assert low <= c.difference[0] <= high and c.num_units == 50
+
+
+def test_scoring_with_an_adaptive_softmax_equals_each_spans_own_forward():
+    """ALiBi's WikiText-103 model has an adaptive softmax, which views its targets flat: a batch's
+    targets from its first scored position on are given to it contiguous."""
+    torch.manual_seed(0)
+    model = tiny_model("alibi", "--adaptive-softmax-cutoff", "20,40").eval()
+    tokens = random_tokens(batch=1, length=101, seed=2)[0]
+    inputs, targets = tokens[:-1], tokens[1:]
+    spans = [ScoredSpan(0, 50, 10), ScoredSpan(50, 100, 60)]  # one batch, scored from its 11th position
+    scores = WindowScorer(model, inputs, targets, max_tokens=200, device="cpu", progress=False).score(spans)
+    with torch.no_grad():
+        for span, got in zip(spans, scores):
+            span_targets = targets[None, span.start:span.end]
+            lprobs = model.get_normalized_probs(model(inputs[None, span.start:span.end]), log_probs=True,
+                                                sample={"target": span_targets})
+            expected = lprobs[0].gather(-1, span_targets[0, :, None])[span.score_from - span.start:, 0]
+            torch.testing.assert_close(torch.from_numpy(got), expected, rtol=0, atol=1e-5)

@@ -197,6 +197,10 @@ def test_where_flex_is_chosen():
     assert backend(cuda, cuda) == "flex"
     assert backend(cuda, cuda, dropout=0.1) == "sdpa"
     assert backend(narrow, narrow) == "sdpa", "FlexAttention's CUDA kernels take 16 dimensions or more"
+    fox_cuda = LayerBlockBias(bias, tiny_model("fox").decoder.layers[0].self_attn.layer_bias, 0, None)
+    assert backend(cuda, cuda, bias=fox_cuda) == "sdpa", "no backward of a layer's own term on CUDA"
+    with torch.no_grad():
+        assert backend(cuda, cuda, bias=fox_cuda) == "flex", "a layer's own term in evaluation on CUDA"
     with pytest.raises(ValueError, match="unknown attention backend"):
         backend(q, q, preference="triton")
 
