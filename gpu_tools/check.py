@@ -72,6 +72,9 @@ TINY_SPEED = ["--baseline", "sinusoidal", "--models", "alibi", "kerple_log", "--
 #: each step's share of the budget in seconds (480 in all: the default --budget)
 SHARES = {"preflight": 15, "install": 45, "cuda-tests": 150, "speed": 100, "train": 120, "eval": 50}
 STEPS = tuple(SHARES)
+#: variables that make cuBLAS and cuDNN (NVIDIA's) or PyTorch's cuBLAS calls use TF32 for float32,
+#: whatever PyTorch's flags say: recorded by preflight, set to 0 for the CUDA tier
+TF32_VARIABLES = ("NVIDIA_TF32_OVERRIDE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")
 #: a step left less time than this is skipped
 MIN_STEP_SECONDS = 5
 #: seconds a cut process has to end after SIGINT (pytest then writes its report), and after SIGTERM
@@ -382,8 +385,12 @@ def preflight(paths, mode, python, limit, log, env, gpu, builder):
     facts["compiler"] = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     facts["python_headers"] = (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file()
     probe = subprocess.run([python, "-c", "import torch; print(torch.cuda.is_available() and "
-                            "torch.cuda.get_device_name(0), torch.version.cuda)"], capture_output=True, text=True)
+                            "torch.cuda.get_device_name(0), torch.version.cuda, 'tf32: matmul', "
+                            "torch.backends.cuda.matmul.allow_tf32, 'cudnn', torch.backends.cudnn.allow_tf32, "
+                            "'precision', torch.get_float32_matmul_precision())"], capture_output=True, text=True)
     facts["torch_cuda"] = probe.stdout.strip() or probe.stderr.strip()[-300:]
+    for name in TF32_VARIABLES:
+        facts[name] = os.environ.get(name)
     for key, value in facts.items():
         log(f"{key}: {value}")
     problems = []
@@ -443,10 +450,12 @@ def dry_install(paths, manifest, python, log):
 
 
 def cuda_tests(paths, mode, python, limit, log, env, gpu, builder):
+    """The CUDA tier, float32 products in IEEE precision whatever the image's settings (its fixture
+    turns PyTorch's TF32 off; these variables turn off the libraries' own overrides)."""
     cmds = commands("cuda-tests", paths, python, mode)
     if mode == "dry-run":
         cmds = {"collect": cmds["pytest"] + ["--collect-only"]}
-    outcome = run_side_by_side(cmds, limit, log, env)
+    outcome = run_side_by_side(cmds, limit, log, {**env, **{name: "0" for name in TF32_VARIABLES}})
     tests = summarize_tests(paths.junit) if mode != "dry-run" else {}
     if tests:
         log(f"cuda tier: {json.dumps({k: v for k, v in tests.items() if k != 'problems'})}")

@@ -34,11 +34,11 @@ def cuda_model(name, *flags):
 
 @pytest.fixture(autouse=True)
 def exact_float32():
-    """float32 matmuls in IEEE precision (no TF32), as on the CPU."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    """float32 matmuls and convolutions in IEEE precision (no TF32), as on the CPU."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
-    torch.backends.cuda.matmul.allow_tf32 = before
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def loss_and_gradients(model, tokens, backend=None):
