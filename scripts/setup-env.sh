@@ -19,10 +19,12 @@ fi
 # which would fetch another torch). setup.py picks fairseq-fixed on Python 3.11+.
 "$py" -m pip install -q --no-build-isolation ".[test,plots]"
 # fairseq's compiled parts must match the NumPy installed: a wheel pip cached from a build against
-# another NumPy does not load, and is rebuilt
+# another NumPy does not load, and is rebuilt (and cached in its place)
 if ! "$py" -c "import fairseq.data.data_utils_fast, fairseq.data.token_block_utils_fast" 2>/dev/null; then
   echo "setup-env: rebuilding fairseq against NumPy $("$py" -c 'import numpy; print(numpy.__version__)')" >&2
   installed="$("$py" -c "from importlib import metadata as m; print([f'{d.name}=={d.version}' for d in m.distributions() if d.name in ('fairseq-fixed', 'fairseq')][0])")"
-  "$py" -m pip install -q --no-build-isolation --no-deps --no-cache-dir --force-reinstall "$installed"
+  name="${installed%%==*}"
+  "$py" -m pip cache remove "${name//-/_}" -q 2>/dev/null || true  # the stale wheel; the new build is cached
+  "$py" -m pip install -q --no-build-isolation --no-deps --force-reinstall "$installed"
 fi
 "$py" -c "import kerple_fairseq, fairseq, numpy, torch; print('setup-env: fairseq', fairseq.__version__, 'torch', torch.__version__, 'numpy', numpy.__version__)" 2>&1 | grep setup-env

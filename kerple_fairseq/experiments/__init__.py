@@ -11,9 +11,6 @@
 - :mod:`~kerple_fairseq.experiments.benchmark`: time and memory of the bias kernels against no bias
 - :mod:`~kerple_fairseq.experiments.logit_precision`: how exactly each attention backend forms the biased
   logits in fp16 and bf16
-- :mod:`~kerple_fairseq.experiments.gpu_bundle`: what a GPU machine without network needs, prepared and
-  installed (fairseq's source, wheels, the WikiText-103 sample)
-- :mod:`~kerple_fairseq.experiments.gpu_check`: the checks that need a GPU, in one command
-
-They run from a checkout of the repository: the pipelines start its ``scripts/``.
+They run from a checkout of the repository: the pipelines start its ``scripts/``. The GPU checks'
+deployment tooling (the offline bundle, the bounded command) is ``gpu_tools/`` beside the package.
 """
