@@ -141,8 +141,9 @@ def commands(step: str, paths: Paths, python: str, mode: str, limit: float = 0.0
     if step == "cuda-tests":
         workers = (["-n", str(TEST_WORKERS), "--dist", "loadgroup"]
                    if gpu_bundle.installed_version("pytest-xdist") != "absent" else [])
+        timeout = [f"--timeout={TEST_TIMEOUT}"] if gpu_bundle.installed_version("pytest-timeout") != "absent" else []
         return {"pytest": [python, "-m", "pytest", "-m", "cuda", "-q", "-rfEs", "-p", "no:cacheprovider", *workers,
-                           "--continue-on-collection-errors", f"--timeout={TEST_TIMEOUT}", "--durations=10",
+                           "--continue-on-collection-errors", *timeout, "--durations=10",
                            f"--junitxml={paths.junit}", str(paths.repo / "tests" / "test_cuda.py")]}
     if step == "speed":
         return {"benchmark": [python, str(scripts / "benchmark.py"), *(TINY_SPEED if small else SPEED),

@@ -39,6 +39,13 @@ for mode in ("eos", "complete", "complete_doc"):
     blocks = TokenBlockDataset(sentences, [3, 2, 4], block_size=8, pad=1, eos=2, break_mode=mode)
     assert sum(len(blocks[i]) for i in range(len(blocks))) == 9, mode
 assert hasattr(np, "compat") == (np.__version__ < "2"), "NumPy itself is left as it is"
+# a one-token first block: its past target is [pad, eos] and nothing of the block, as on NumPy 1
+import warnings
+warnings.simplefilter("error")  # NumPy 2's overflow warning of unsigned scalars
+one = TokenBlockDataset([torch.tensor([5]), torch.tensor([7, 2])], np.array([1, 2], dtype=np.uint16), block_size=8,
+                        pad=1, eos=2, break_mode="eos", include_targets=True)
+source, target, past_target = one[0]
+assert past_target.tolist() == [1, 2] and source.tolist() == [2] and target.tolist() == [5], past_target
 """
 
 
