@@ -162,7 +162,9 @@ def check_builder(builder: str) -> None:
     """The builder is a Python :data:`TARGET_PYTHON` with :data:`IMAGE`'s pinned versions (those the built
     wheel's compiled parts depend on)."""
     versions = builder_versions(builder)
-    wrong = [f"python {versions['python']} (the image's: {TARGET_PYTHON})"] if versions["python"] != TARGET_PYTHON else []
+    wrong = []
+    if versions["python"] != TARGET_PYTHON:
+        wrong.append(f"python {versions['python']} (the image's: {TARGET_PYTHON})")
     wrong += [f"{r.split('==')[0]} {versions[r.split('==')[0]]} (the image's: {r.split('==')[1]})"
               for r in image_pins() if versions[r.split("==")[0]].split("+")[0] != r.split("==")[1]]
     if wrong:
@@ -227,7 +229,8 @@ def read_manifest(bundle: Path) -> Dict:
 
 
 def verify(bundle: Path) -> Dict:
-    """The manifest, once every file it names is there unaltered and ``wheels/`` holds nothing else; raises :class:`BundleError` otherwise, or where it names a :data:`PROTECTED` package."""
+    """The manifest, once every file it names is there unaltered and ``wheels/`` holds nothing else;
+    raises :class:`BundleError` otherwise, or where it names a :data:`PROTECTED` package."""
     manifest = read_manifest(bundle)
     named = {p["file"]: p["sha256"] for p in manifest["packages"]}
     named.update({f"{SAMPLE}/{name}": digest for name, digest in manifest["sample"].items()})

@@ -300,7 +300,8 @@ def summarize_tests(junit: Path) -> Dict:
             skips[reason] = skips.get(reason, 0) + 1
         else:
             counts["failed" if outcome.tag == "failure" else "errors"] += 1
-            problems.append(f"{name}: {(outcome.get('message') or '').splitlines()[0][:300] if outcome.get('message') else ''}")
+            message = (outcome.get("message") or "").splitlines()
+            problems.append(f"{name}: {message[0][:300] if message else ''}")
     return {**counts, "problems": problems, "skip_reasons": skips}
 
 

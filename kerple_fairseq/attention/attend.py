@@ -93,9 +93,10 @@ def flex_serves(q: Tensor, bias: DistanceBlockBias, dropout: float, key_padding_
     it takes (not float64), no attention dropout; on CUDA, heads of at least
     :data:`FLEX_MIN_HEAD_DIM_CUDA` dimensions, and a layer's own bias only without gradients (PyTorch
     2.11 compiles no backward for FoX's term, which indexes its cumulative gates twice, nor for FIRE's:
-    measured on an H200, the first NotImplementedError, the second a FakeTensor assertion); on CPU, no gradient (it has no CPU backward) and,
-    compiled, neither key padding nor a layer's own bias (PyTorch 2.13's CPU compiler fails on terms
-    that read the batch index, as padding and FoX do, and on FIRE's)."""
+    measured on an H200, the first NotImplementedError, the second a FakeTensor assertion); on CPU, no
+    gradient (it has no CPU backward) and, compiled, neither key padding nor a layer's own bias
+    (PyTorch 2.13's CPU compiler fails on terms that read the batch index, as padding and FoX do, and on
+    FIRE's)."""
     if not (flex.available() and bias.serves_flex and dropout == 0.0 and q.dtype in flex.DTYPES):
         return False
     if q.device.type == "cuda":
