@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from kerple_fairseq.attention.self_attention import recorded
 from kerple_fairseq.errors import KernelConfigError
 
 from attention_rule_reference import (llama4_query_temperature, rerope_logits, selective_logits, ssmax_logits,
@@ -67,9 +68,11 @@ def assert_equal_with_gradients(ours, reference, inputs):
 
 
 def before_softmax(attention, x):
-    """The module's logits ``[B, H, T, T]``."""
-    scores, _ = attention(x, x, x, before_softmax=True)
-    return scores.view(BATCH, attention.num_heads, LENGTH, LENGTH)
+    """The module's logits ``[B, H, T, T]``, as an :class:`AttentionRecord` keeps them."""
+    with recorded(attention, keep_logits=True) as record:
+        attention(x, x, x, need_weights=False)
+    (logits,) = record.logits
+    return logits
 
 
 @pytest.mark.parametrize("window", [0, 3])
@@ -218,20 +221,18 @@ def test_the_rule_changes_what_the_model_computes(case):
 def test_query_scales_are_served_by_the_fused_backends(monkeypatch, backend):
     """Scalable softmax and the temperature scale the queries: sdpa and FlexAttention (eager here;
     compiled: test_flex_attention.py) attend as the explicit path does."""
-    from kerple_fairseq.attention import attend as attend_module
+    from kerple_fairseq.attention import flex
 
-    chosen = []
-    choose = attend_module.choose_backend
-    monkeypatch.setattr(attend_module, "choose_backend", lambda *a, **k: chosen.append(choose(*a, **k)) or chosen[-1])
-    monkeypatch.setattr(attend_module.flex, "COMPILED", False)
+    monkeypatch.setattr(flex, "COMPILED", False)
     flags = ["--ssmax", "--attn-temperature-tuning", "--attn-temperature-floor-scale", "4"]
     torch.manual_seed(0)
     fused = tiny_model("kerple_log", *flags, "--attention-backend", backend).eval()
     explicit = tiny_model("kerple_log", *flags, "--attention-backend", "explicit").eval()
     explicit.load_state_dict(fused.state_dict())
     tokens = tokens_of()
-    torch.testing.assert_close(log_probs(fused, tokens), log_probs(explicit, tokens), rtol=0, atol=1e-5)
-    assert set(chosen) == {backend, "explicit"}
+    with recorded(fused) as fused_record, recorded(explicit) as explicit_record:
+        torch.testing.assert_close(log_probs(fused, tokens), log_probs(explicit, tokens), rtol=0, atol=1e-5)
+    assert set(fused_record.backends) == {backend} and set(explicit_record.backends) == {"explicit"}
 
 
 @pytest.mark.slow

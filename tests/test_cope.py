@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kerple_fairseq.attention.cope import ContextualPositions
+from kerple_fairseq.attention.methods.cope import ContextualPositions
 from kerple_fairseq.errors import KernelConfigError
 
 from helpers import tiny_model
@@ -121,7 +121,7 @@ def test_each_layer_has_a_table_that_starts_at_zero_and_changes_the_model(case):
 
 
 def test_bad_cope_options_are_clear_errors():
-    with pytest.raises(KernelConfigError, match="--dape and --cope each rewrite the attention logits; choose one"):
+    with pytest.raises(KernelConfigError, match="--cope and --dape each rewrite the attention logits; choose one"):
         tiny_model("alibi", "--cope", "--dape", "mlp")
     with pytest.raises(KernelConfigError, match="--cope-max-positions must be >= 2, got 1"):
         tiny_model("none", "--cope", "--cope-max-positions", "1")

@@ -4,7 +4,7 @@ with every kind of bias in the model on every decoding path."""
 import pytest
 import torch
 
-from kerple_fairseq.attention.dape import ScoreTransform, build_score_transform
+from kerple_fairseq.attention.methods.dape import DataAdaptiveLogits
 from kerple_fairseq.errors import KernelConfigError
 
 from helpers import tiny_model
@@ -62,7 +62,7 @@ def causal_bias(heads, length, window=0, seed=0):
 def test_transformed_logits_and_gradients_equal_the_formula_by_loops(variant, reference, window):
     torch.manual_seed(0)
     heads, length, batch = 2, 6, 2
-    transform = build_score_transform(variant, heads, width=3, kernel_size=3).double()
+    transform = DataAdaptiveLogits(heads, 0, dape=variant, dape_width=3, dape_kernel_size=3).double()
     scores = torch.randn(batch, heads, length, length, dtype=torch.float64, requires_grad=True)
     bias = causal_bias(heads, length, window).requires_grad_()
     logits = transform(None, scores, bias)
@@ -94,7 +94,7 @@ def test_transformed_logits_and_gradients_equal_the_formula_by_loops(variant, re
 @pytest.mark.parametrize("variant", ["mlp", "conv"])
 def test_hidden_cells_do_not_reach_visible_logits(variant):
     torch.manual_seed(1)
-    transform = build_score_transform(variant, 2, width=4, kernel_size=5)
+    transform = DataAdaptiveLogits(2, 0, dape=variant, dape_width=4, dape_kernel_size=5)
     scores = torch.randn(1, 2, 8, 8)
     bias = causal_bias(2, 8, window=4).float()
     hidden = ~torch.isfinite(bias)
@@ -103,12 +103,12 @@ def test_hidden_cells_do_not_reach_visible_logits(variant):
 
 
 def test_options_are_checked():
-    assert build_score_transform("none", 4) is None
-    assert isinstance(build_score_transform("conv", 4), ScoreTransform)
+    with pytest.raises(KernelConfigError, match="unknown --dape 'bogus'"):
+        DataAdaptiveLogits(4, 0, dape="bogus")
     with pytest.raises(KernelConfigError, match="--dape-kernel-size must be odd"):
-        build_score_transform("conv", 4, kernel_size=4)
+        DataAdaptiveLogits(4, 0, dape="conv", dape_kernel_size=4)
     with pytest.raises(KernelConfigError, match="--dape-width must be >= 1"):
-        build_score_transform("mlp", 4, width=0)
+        DataAdaptiveLogits(4, 0, dape="mlp", dape_width=0)
 
 
 # ---------------------------------------------------------------- in the model

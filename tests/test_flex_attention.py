@@ -184,7 +184,7 @@ def test_where_flex_is_chosen():
         finally:
             flex.COMPILED = True
         assert backend(q, q, need_probabilities=True) == "explicit"
-        assert backend(q, q, score_transform=lambda *a: a[1]) == "explicit", "DAPE and CoPE"
+        assert backend(q, q, needs_scores=True) == "explicit", "DAPE, CoPE, selective attention, stick-breaking"
         assert backend(q.double(), q.double()) == "sdpa", "no float64 kernel"
         assert backend(q, q, dropout=0.1) == "sdpa", "FlexAttention has no attention dropout"
         fox = LayerBlockBias(bias, tiny_model("fox").decoder.layers[0].self_attn.layer_bias, 0, None)

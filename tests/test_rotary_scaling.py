@@ -9,6 +9,7 @@ import torch
 
 from kerple_fairseq.attention.blocks import query_blocks
 from kerple_fairseq.attention.rotary import RotaryEmbedding
+from kerple_fairseq.attention.self_attention import recorded
 from kerple_fairseq.errors import KernelConfigError
 
 from conftest import fairseq_cli, run, train_in_process
@@ -153,7 +154,7 @@ def test_incremental_decoding_blocks_and_beam_search_equal_full_scoring(scaling)
 
 @pytest.mark.parametrize("flags", [(), ("--rotary-xpos",)], ids=["rotary", "xpos"])
 def test_dynamic_ntk_weights_and_scores_cover_every_band(flags):
-    """Probabilities and ``before_softmax`` scores come laid out over all keys although the bands
+    """Probabilities and the recorded logits come laid out over all keys although the bands
     attend block by block, and agree with the attended values."""
     torch.manual_seed(0)
     model = scaled_model("dynamic-ntk", *flags).double().eval()
@@ -162,13 +163,16 @@ def test_dynamic_ntk_weights_and_scores_cover_every_band(flags):
     with torch.no_grad():
         out, weights = attention(x, x, x, need_weights=True, need_head_weights=True)
         plain_out, _ = attention(x, x, x, need_weights=False)
-        scores, values = attention(x, x, x, before_softmax=True)
+        with recorded(attention, keep_logits=True) as record:
+            attention(x, x, x, need_weights=False)
+        values = attention.v_proj(x).view(20, 2, -1, attention.head_dim).permute(1, 2, 0, 3)  # [B, H, T, D]
     torch.testing.assert_close(out, plain_out, rtol=0, atol=1e-12)
-    probabilities = torch.softmax(scores, dim=-1).view(2, -1, 20, 20).transpose(0, 1)  # [H, B, T, S]
-    torch.testing.assert_close(weights, probabilities, rtol=0, atol=1e-12)
+    probabilities = torch.softmax(record.logits[0], dim=-1)  # [B, H, T, S]
+    torch.testing.assert_close(record.probabilities[0], probabilities, rtol=0, atol=1e-12)
+    torch.testing.assert_close(weights, probabilities.transpose(0, 1), rtol=0, atol=1e-12)
     assert torch.equal(weights.triu(1), torch.zeros_like(weights)), "no weight on future keys"
-    attended = torch.matmul(probabilities.transpose(0, 1).flatten(0, 1), values)  # [B H, T, D]
-    expected = attention.out_proj(attended.view(2, -1, 20, attention.head_dim).permute(2, 0, 1, 3).reshape(20, 2, -1))
+    attended = torch.matmul(probabilities, values)  # [B, H, T, D]
+    expected = attention.out_proj(attended.permute(2, 0, 1, 3).reshape(20, 2, -1))
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
 
 
@@ -229,7 +233,7 @@ def test_analyses_scale_a_scaled_rotary_model_for_their_length(data_bin, tmp_pat
     at their --length as kerple-eval-lm does: s = length / training length."""
     import argparse
 
-    from kerple_fairseq.analysis.cli import load_for_data
+    from kerple_fairseq.analysis.commands.shared import load_for_data
     from kerple_fairseq.evaluation.loading import rotary_embedding
     from kerple_fairseq.experiments.language_models import model_size_flags
 

@@ -6,7 +6,6 @@ ignores keys farther than that. Counting the heads whose effective length is ``<
 for every ``x`` gives KERPLE's Figure 6b.
 """
 
-import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -17,13 +16,12 @@ from kerple_fairseq.errors import KernelConfigError, UsageError
 from kerple_fairseq.evaluation.loading import load_checkpoint_state
 from kerple_fairseq.kernels import BiasKernel, build_kernel
 from kerple_fairseq.attention.distance_bias import DistanceBias
+from kerple_fairseq.attention.methods import chosen_methods, layout
 from kerple_fairseq.analysis.cope_curves import CheckpointContextualPositions
 from kerple_fairseq.analysis.layer_bias_curves import input_dependent, load_layer_biases
 from kerple_fairseq.layer_biases import LAYER_BIASES
 
 KERNEL_PREFIX = "decoder.attention_bias.kernel."
-#: scalable softmax's per-head scale of layer N: decoder.layers.N.self_attn.query_scales.0.scale
-SSMAX_SCALE = re.compile(r"decoder\.layers\.(\d+)\.self_attn\.query_scales\.0\.scale")
 EFFECTIVE_LENGTH_THRESHOLD = -2.0
 
 
@@ -34,7 +32,7 @@ class CheckpointKernel:
     attention_window: int  # 0: none
     num_layers: int
     train_length: int
-    #: learned per-head values outside the kernel (scalable softmax's ``s_h`` of each layer), by name
+    #: learned per-head values of the attention methods (scalable softmax's ``s_h`` of each layer), by name
     other_values: Dict[str, List[float]] = field(default_factory=dict)
 
     @property
@@ -105,17 +103,20 @@ def _checkpoint_kernel(path: str, label: str, state: dict, name: str, model_cfg,
     except (KernelConfigError, RuntimeError) as e:
         raise UsageError(f"cannot rebuild the {name} kernel of {path}: {str(e).splitlines()[0]}") from e
     return CheckpointKernel(label, kernel.eval(), int(getattr(model_cfg, "attn_window", 0) or 0),
-                            int(model_cfg.decoder_layers), train_length, ssmax_scales(state["model"]))
+                            int(model_cfg.decoder_layers), train_length, method_values(state["model"], model_cfg))
 
 
-def ssmax_scales(model_state: dict) -> Dict[str, List[float]]:
-    """Scalable softmax's learned ``s_h`` of each layer (``ssmax_s/layer1``, ...), from a model's state dict."""
-    scales = {}
-    for key, value in model_state.items():
-        match = SSMAX_SCALE.fullmatch(key)
-        if match:
-            scales[int(match.group(1))] = value.double().tolist()
-    return {f"ssmax_s/layer{layer + 1}": scales[layer] for layer in sorted(scales)}
+def method_values(model_state: dict, model_cfg) -> Dict[str, List[float]]:
+    """The learned per-head values each attention method of the model reports, per layer
+    (``ssmax_s/layer1``, ...), from a model's state dict."""
+    methods = chosen_methods(model_cfg)
+    values = {}
+    for layer in range(int(model_cfg.decoder_layers)):
+        for method in methods:
+            prefix = f"decoder.layers.{layer}.self_attn.{layout(methods)[method.name]}."
+            for name, value in method.learned_values(model_state, prefix).items():
+                values[f"{name}/layer{layer + 1}"] = value.double().tolist()
+    return values
 
 
 def effective_lengths(curves: np.ndarray, threshold: float = EFFECTIVE_LENGTH_THRESHOLD) -> List[Optional[int]]:

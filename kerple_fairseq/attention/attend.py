@@ -26,18 +26,19 @@ Other methods plug in as follows:
   positions of the block's queries and keys, the Forgetting Transformer from the layer's input)
   is added to the block's distance bias by :class:`~kerple_fairseq.attention.layer_bias.LayerBlockBias`,
   ``[heads, ...]`` or ``[batch, heads, ...]`` (or as a score term for FlexAttention);
-- a **score transform** (DAPE, :mod:`kerple_fairseq.attention.dape`; CoPE,
-  :mod:`kerple_fairseq.attention.cope`; selective attention, :mod:`kerple_fairseq.attention.selective`;
-  ReRoPE's merged logits, :mod:`kerple_fairseq.attention.rotary`) needs the scores, so it runs on the
-  explicit backend, one block at a time;
-- **stick-breaking** weights (:mod:`kerple_fairseq.attention.stick_breaking`) replace the softmax on
-  the explicit backend;
-- a **query scale** (scalable softmax, Llama 4's temperature: :mod:`kerple_fairseq.attention.query_scaling`)
-  multiplies the queries before any backend sees them.
+- an **attention method** (:mod:`kerple_fairseq.attention.methods`) acts on the queries before any
+  backend sees them (scalable softmax, Llama 4's temperature), or needs the scores: a score transform
+  (DAPE, CoPE, selective attention, and ReRoPE's merged logits from
+  :mod:`kerple_fairseq.attention.rotary`) or weights in place of the softmax (stick-breaking), which
+  run on the explicit backend, one block at a time.
+
+An :class:`AttentionRecord` given to :func:`attend` counts the backends chosen and keeps the logits.
 """
 
 import contextlib
-from typing import Callable, Optional, Tuple
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -46,11 +47,13 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kerple_fairseq.attention import flex, kernel_gradient
+from kerple_fairseq.attention.blocks import QueryBlock
 from kerple_fairseq.attention.distance_bias import DistanceBlockBias
-from kerple_fairseq.attention.stick_breaking import stick_breaking_weights
 
 #: ``transform(q, scores, bias)``: the logits from the block's queries, scores and bias (DAPE, CoPE)
 ScoreTransform = Callable[[Tensor, Tensor, Tensor], Tensor]
+#: ``weights(logits, block)``: the block's attention weights, in place of the softmax (stick-breaking)
+AttentionWeights = Callable[[Tensor, QueryBlock], Tensor]
 
 #: ``--attention-backend`` choices
 BACKENDS = ("auto", "flex", "sdpa", "explicit")
@@ -66,17 +69,29 @@ FLEX_MIN_HEAD_DIM_CUDA = 16
 MASKED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+@dataclass
+class AttentionRecord:
+    """What attention did while the record was given to it: the backend of each block and, with
+    ``keep_logits``, the logits of each block attended (every block then on the explicit backend);
+    :func:`~kerple_fairseq.attention.self_attention.recorded` lays them out per call, with its
+    probabilities."""
+
+    keep_logits: bool = False
+    backends: Counter = field(default_factory=Counter)
+    logits: List[Tensor] = field(default_factory=list)
+    probabilities: List[Tensor] = field(default_factory=list)
+
+
 def choose_backend(q: Tensor, k: Tensor, bias: DistanceBlockBias, *, preference: str = "auto", dropout: float,
-                   key_padding_mask: Optional[Tensor], need_probabilities: bool,
-                   score_transform: Optional[ScoreTransform] = None, stick_breaking: bool = False) -> str:
+                   key_padding_mask: Optional[Tensor], need_probabilities: bool, needs_scores: bool = False) -> str:
     """The backend for a block. Explicit wherever scores or probabilities are needed (weights
-    requested, a score transform, stick-breaking weights) or asked for. Then FlexAttention where it serves
+    requested, an attention method that ``needs_scores``) or asked for. Then FlexAttention where it serves
     (:func:`flex_serves`), if asked for, and by default on CUDA and for at least
     :data:`FLEX_MIN_KEYS_CPU` keys on CPU. Otherwise explicit for key padding or a weight kernel,
     the kernel gradient backend where it applies, else sdpa."""
     if preference not in BACKENDS:
         raise ValueError(f"unknown attention backend {preference!r}; choose one of: {', '.join(BACKENDS)}")
-    if preference == "explicit" or need_probabilities or score_transform is not None or stick_breaking:
+    if preference == "explicit" or need_probabilities or needs_scores:
         return "explicit"
     if preference != "sdpa" and flex_serves(q, bias, dropout, key_padding_mask) and (
             preference == "flex" or q.device.type == "cuda" or k.size(2) >= FLEX_MIN_KEYS_CPU):
@@ -107,16 +122,18 @@ def flex_serves(q: Tensor, bias: DistanceBlockBias, dropout: float, key_padding_
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: DistanceBlockBias, *, preference: str = "auto",
            dropout: float = 0.0, key_padding_mask: Optional[Tensor] = None, need_probabilities: bool = False,
-           score_transform: Optional[ScoreTransform] = None, stick_breaking: bool = False
-           ) -> Tuple[Tensor, Optional[Tensor]]:
+           score_transform: Optional[ScoreTransform] = None, weights: Optional[AttentionWeights] = None,
+           record: Optional[AttentionRecord] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """Attention of one block: ``q`` ``[B, H, T, D]`` (already scaled by ``1/sqrt(D)``), ``k`` and
     ``v`` ``[B, H, S, D]`` (the block's keys), ``key_padding_mask`` ``[B, S]`` (True: padding);
-    ``stick_breaking``: stick-breaking weights instead of the softmax.
+    ``weights``: the weights from the logits instead of the softmax.
     Returns the attended values ``[B, H, T, D]`` and, with ``need_probabilities``, the float32
     probabilities ``[B, H, T, S]``."""
     backend = choose_backend(q, k, bias, preference=preference, dropout=dropout, key_padding_mask=key_padding_mask,
-                             need_probabilities=need_probabilities, score_transform=score_transform,
-                             stick_breaking=stick_breaking)
+                             need_probabilities=need_probabilities,
+                             needs_scores=score_transform is not None or weights is not None)
+    if record is not None:
+        record.backends[backend] += 1
     if backend == "flex":
         padding = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
         return flex.attend(q, k, v, bias.score_mod(q.dtype, q.device), bias.block_mask(q.device, padding)), None
@@ -128,8 +145,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: DistanceBlockBias, *, preferen
         with sdpa_kernel(MASKED_SDPA_BACKENDS) if q.device.type == "cuda" else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=1.0), None
     scores = biased_scores(q, k, bias, key_padding_mask, score_transform)
-    if stick_breaking:
-        probabilities = stick_breaking_weights(scores, bias.block)
+    if record is not None and record.keep_logits:
+        record.logits.append(scores)
+    if weights is not None:
+        probabilities = weights(scores, bias.block)
     else:
         # in float32 for half-precision scores (as fairseq does), in float64 for float64 ones
         probabilities = torch.softmax(scores, dim=-1,

@@ -11,6 +11,9 @@ the keys inside it.
 from dataclasses import dataclass
 from typing import List, Sequence
 
+import torch
+from torch import Tensor
+
 #: smallest block of queries under an attention window: smaller blocks cost more in
 #: per-block overhead than the keys they skip save
 MIN_WINDOW_BLOCK = 64
@@ -35,6 +38,13 @@ class QueryBlock:
     @property
     def num_keys(self) -> int:
         return self.key_end - self.key_start
+
+
+def diagonal(block: QueryBlock, device) -> Tensor:
+    """``[queries, keys]`` bool: each query's own key in the block (query ``t`` is key ``offset + t``)."""
+    queries = torch.arange(block.num_queries, device=device)[:, None]
+    keys = torch.arange(block.num_keys, device=device)[None, :]
+    return keys == block.offset + queries
 
 
 def effective_block_size(block_size: int, attention_window: int) -> int:

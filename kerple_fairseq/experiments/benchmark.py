@@ -6,7 +6,6 @@ cache, and what compiling FlexAttention cost. ``scripts/benchmark.py`` is its co
 
 import argparse
 import collections
-import contextlib
 import json
 import statistics
 import subprocess
@@ -19,8 +18,8 @@ import numpy as np
 import torch
 
 from kerple_fairseq.attention import flex
-from kerple_fairseq.attention import attend
 from kerple_fairseq.attention.attend import BACKENDS
+from kerple_fairseq.attention.self_attention import recorded
 from kerple_fairseq.experiments.language_models import build_language_model, model_size_flags
 from kerple_fairseq.experiments.paths import SCRIPTS
 
@@ -111,25 +110,6 @@ def eval_forward(model, tokens):
 PHASES = {"train": train_step, "eval": eval_forward}
 
 
-@contextlib.contextmanager
-def backends_chosen():
-    """Counts the attention backends that the plugin's blocks are given while inside (what
-    :func:`~kerple_fairseq.attention.attend.choose_backend` answers): ``@flex`` is a preference, and a
-    block that FlexAttention does not serve falls back."""
-    chosen = collections.Counter()
-    choose = attend.choose_backend
-
-    def counted(*args, **kwargs):
-        backend = choose(*args, **kwargs)
-        chosen[backend] += 1
-        return backend
-    attend.choose_backend = counted
-    try:
-        yield chosen
-    finally:
-        attend.choose_backend = choose
-
-
 def backend_label(chosen: collections.Counter) -> str:
     """``[flex]``, ``[sdpa]``, ``[flex 16, explicit 2]``; ``[fairseq]`` for stock attention."""
     if not chosen:
@@ -150,8 +130,9 @@ def time_all(models, args, device):
             step = PHASES[phase]
             times, backends = {name: [] for name in models}, {}
             for name, model in models.items():  # warm-up
-                with backends_chosen() as backends[name]:
+                with recorded(model) as record:
                     step(model, tokens)
+                backends[name] = record.backends
             names = list(models)
             for round_ in range(args.repeats):
                 for name in names[round_ % len(names):] + names[:round_ % len(names)]:

@@ -7,11 +7,11 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.models.transformer_lm import TransformerLanguageModelConfig
 
 from kerple_fairseq.attention.attend import BACKENDS
-from kerple_fairseq.attention.dape import VARIANTS as DAPE_VARIANTS
-from kerple_fairseq.attention.query_scaling import SSMAX_SCALE_INIT, TEMPERATURE_FLOOR_SCALE, TEMPERATURE_SCALE
+from kerple_fairseq.attention.methods import attention_method_option_fields
+from kerple_fairseq.attention.position_methods import bias_names
 from kerple_fairseq.attention.rotary import DYNAMIC_NTK_STEP, REROPE_LEAK, ROTARY_SCALINGS
-from kerple_fairseq.kernels import kernel_names, option_fields
-from kerple_fairseq.layer_biases import layer_bias_names, layer_bias_option_fields
+from kerple_fairseq.kernels import option_fields
+from kerple_fairseq.layer_biases import layer_bias_option_fields
 
 DEFAULT_BLOCK_SIZE = 1024
 
@@ -20,7 +20,7 @@ def _make_config():
     plugin_fields = [
         (
             "bias_kernel",
-            ChoiceEnum(sorted(kernel_names() + layer_bias_names())),
+            ChoiceEnum(bias_names()),
             field(default="kerple_log", metadata={
                 "help": "positional attention-bias kernel (fire, fox, fox_bias_only: a bias of each layer's own)"}),
         ),
@@ -148,36 +148,6 @@ def _make_config():
                 "many positions (1: every query its own; larger bands attend in fewer, larger blocks)"}),
         ),
         (
-            "dape",
-            ChoiceEnum(list(DAPE_VARIANTS)),
-            field(
-                default="none",
-                metadata={
-                    "help": "DAPE: add a learned function of every head's scaled scores and bias to the logits "
-                    "(mlp: per (i, j), DAPE v1; conv: along the keys, DAPE v2); composes with every kernel and "
-                    "rotary; attention then runs on the explicit path, block by block"
-                },
-            ),
-        ),
-        (
-            "cope",
-            bool,
-            field(
-                default=False,
-                metadata={
-                    "help": "CoPE: add q . e(p) to the logits, p the sum of the query's gates sigmoid(q . k) from "
-                    "each key to itself, e a learned table per layer read between integer positions; composes "
-                    "with every kernel and rotary; attention then runs on the explicit path, block by block"
-                },
-            ),
-        ),
-        (
-            "cope_max_positions",
-            int,
-            field(default=0, metadata={"help": "CoPE: positions in each layer's table (counts are clipped below "
-                                       "it); 0: --tokens-per-sample + 1"}),
-        ),
-        (
             "rerope_window",
             int,
             field(default=0, metadata={"help": "ReRoPE's window w (--rotary-scaling rerope, leaky-rerope); "
@@ -189,75 +159,17 @@ def _make_config():
             field(default=REROPE_LEAK, metadata={"help": "leaky ReRoPE's k: distances beyond the window grow by "
                                                  "1/k per position"}),
         ),
-        (
-            "stick_breaking",
-            bool,
-            field(
-                default=False,
-                metadata={
-                    "help": "stick-breaking attention instead of the softmax: key j < i gets sigmoid(z_ij) of "
-                    "what the keys between them left, the remainder goes to the query's own value; composes "
-                    "with every kernel (usually none) and logit method; attention then runs on the explicit "
-                    "path, block by block"
-                },
-            ),
-        ),
-        (
-            "selective_attention",
-            bool,
-            field(
-                default=False,
-                metadata={
-                    "help": "selective attention: head 0's positive logits, summed over earlier queries, are "
-                    "subtracted from every head's logits (no parameters); composes with every kernel and "
-                    "rotary, not with DAPE, CoPE or ReRoPE; the explicit path, block by block"
-                },
-            ),
-        ),
-        (
-            "ssmax",
-            bool,
-            field(
-                default=False,
-                metadata={
-                    "help": "scalable softmax: each query times s_h log(n), n the keys it attends to, s_h learned "
-                    "per head and layer; composes with every method and backend"
-                },
-            ),
-        ),
-        ("ssmax_scale_init", float, field(default=SSMAX_SCALE_INIT, metadata={
-            "help": "scalable softmax: the initial s_h"})),
-        (
-            "attn_temperature_tuning",
-            bool,
-            field(
-                default=False,
-                metadata={
-                    "help": "Llama 4's attention temperature: the query at position i times 1 + "
-                    "--attn-temperature-scale * log(floor((i + 1) / --attn-temperature-floor-scale) + 1); "
-                    "for evaluation of any model: --model-overrides \"{'attn_temperature_tuning': True}\""
-                },
-            ),
-        ),
-        ("attn_temperature_floor_scale", int, field(default=TEMPERATURE_FLOOR_SCALE, metadata={
-            "help": "Llama 4's attention temperature: positions per step of the floor (its floor_scale)"})),
-        ("attn_temperature_scale", float, field(default=TEMPERATURE_SCALE, metadata={
-            "help": "Llama 4's attention temperature: beta (its attn_scale)"})),
-        ("dape_width", int, field(default=32, metadata={"help": "DAPE: hidden width of each layer's network"})),
-        (
-            "dape_kernel_size",
-            int,
-            field(default=3, metadata={"help": "DAPE v2 (--dape conv): odd kernel size along the keys"}),
-        ),
     ]
-    # each kernel and layer bias declares its own options; copy them so this dataclass owns its fields
-    for f in option_fields() + layer_bias_option_fields():
+    # each kernel, layer bias and attention method declares its own options; copy them so this dataclass
+    # owns its fields
+    for f in option_fields() + layer_bias_option_fields() + attention_method_option_fields():
         plugin_fields.append((f.name, f.type, field(default=f.default, metadata=dict(f.metadata))))
     return dataclasses.make_dataclass(
         "KernelBiasedLMConfig",
         plugin_fields,
         bases=(TransformerLanguageModelConfig,),
-        namespace={"__doc__": "transformer_lm options plus --bias-kernel and every kernel's options."},
+        namespace={"__doc__": "transformer_lm options plus --bias-kernel and the options of every kernel, layer "
+                              "bias and attention method."},
     )
 
 

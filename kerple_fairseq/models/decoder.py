@@ -9,11 +9,8 @@ from fairseq.modules import transformer_layer
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.utils import safe_getattr
 
-from kerple_fairseq.attention.cope import ContextualPositions
-from kerple_fairseq.attention.dape import build_score_transform
 from kerple_fairseq.attention.distance_bias import DistanceBias
-from kerple_fairseq.attention.query_scaling import (SSMAX_SCALE_INIT, TEMPERATURE_FLOOR_SCALE, TEMPERATURE_SCALE,
-                                                    query_scales)
+from kerple_fairseq.attention.methods import check_composition, chosen_methods
 from kerple_fairseq.attention.rotary import (DYNAMIC_NTK_STEP, RE_ROPE, REROPE_LEAK, XPOS_SCALE_BASE,
                                              RotaryEmbedding)
 from kerple_fairseq.attention.self_attention import AttentionSetup, BiasedSelfAttention
@@ -40,7 +37,7 @@ def replaced(module, name: str, value):
 
 def attention_setup(args) -> AttentionSetup:
     """The decoder's shared bias, rotary embedding and attention options, and the builders of each
-    layer's own bias and score transform, from its arguments. A layer bias (``--bias-kernel`` naming
+    layer's own bias and attention methods, from its arguments. A layer bias (``--bias-kernel`` naming
     one of :mod:`kerple_fairseq.layer_biases`) is added to the distance bias of its ``distance_kernel``."""
     heads = args.decoder_attention_heads
     head_dim = args.decoder_embed_dim // heads
@@ -51,52 +48,35 @@ def attention_setup(args) -> AttentionSetup:
         layer_bias()  # options are checked once, before any layer is built
         kernel_name = LAYER_BIASES[kernel_name].distance_kernel
     kernel = build_kernel(kernel_name, heads, args, head_dim=head_dim)
-    selective = safe_getattr(args, "selective_attention", False)
     rotary_scaling = str(safe_getattr(args, "rotary_scaling", "none"))
-    rewrites = [name for name, used in (("--dape", str(safe_getattr(args, "dape", "none")) != "none"),
-                                        ("--cope", safe_getattr(args, "cope", False)),
-                                        ("--selective-attention", selective),
-                                        (f"--rotary-scaling {rotary_scaling}", rotary_scaling in RE_ROPE)) if used]
-    if len(rewrites) > 1:
-        raise KernelConfigError(f"{' and '.join(rewrites)} each rewrite the attention logits; choose one")
-    dape = partial(build_score_transform, safe_getattr(args, "dape", "none"), heads,
-                   safe_getattr(args, "dape_width", 32), safe_getattr(args, "dape_kernel_size", 3))
-    score_transform = dape if dape() is not None else None
-    if safe_getattr(args, "cope", False):
-        positions = safe_getattr(args, "cope_max_positions", 0) or (safe_getattr(args, "tokens_per_sample", 0) or 0) + 1
-        score_transform = partial(ContextualPositions, head_dim, positions)
-        score_transform()  # options are checked once, before any layer is built
+    rotary = safe_getattr(args, "rotary_embeddings", False)
+    methods = chosen_methods(args)
+    check_composition(methods, [f"--rotary-scaling {rotary_scaling}"] if rotary and rotary_scaling in RE_ROPE else [])
+    builders = [partial(method.build, heads, head_dim, args) for method in methods]
+    for build in builders:
+        build()  # options are checked once, before any layer is built
     block_size = safe_getattr(args, "attention_block_size", DEFAULT_BLOCK_SIZE)
     if block_size < 0:
         raise KernelConfigError(f"--attention-block-size must be >= 0 (0: no blocks), got {block_size}")
     cache_size = safe_getattr(args, "max_cache_window", 0)
     if cache_size < 0:
         raise KernelConfigError(f"--max-cache-window must be >= 0 (0: keep every key), got {cache_size}")
-    scales = partial(query_scales, heads, safe_getattr(args, "ssmax", False),
-                     safe_getattr(args, "ssmax_scale_init", SSMAX_SCALE_INIT),
-                     safe_getattr(args, "attn_temperature_tuning", False),
-                     safe_getattr(args, "attn_temperature_floor_scale", TEMPERATURE_FLOOR_SCALE),
-                     safe_getattr(args, "attn_temperature_scale", TEMPERATURE_SCALE))
-    scales()  # options are checked once, before any layer is built
     return AttentionSetup(
         bias=DistanceBias(kernel, attention_window=safe_getattr(args, "attn_window", 0)),
         rotary=RotaryEmbedding(head_dim, xpos=safe_getattr(args, "rotary_xpos", False),
                                xpos_scale_base=safe_getattr(args, "xpos_scale_base", XPOS_SCALE_BASE),
-                               scaling=safe_getattr(args, "rotary_scaling", "none"),
+                               scaling=rotary_scaling,
                                train_length=safe_getattr(args, "tokens_per_sample", 0) or 0,
                                scaling_length=safe_getattr(args, "rotary_scaling_length", 0),
                                dynamic_step=safe_getattr(args, "dynamic_ntk_step", DYNAMIC_NTK_STEP),
                                rerope_window=safe_getattr(args, "rerope_window", 0),
                                rerope_leak=safe_getattr(args, "rerope_leak", REROPE_LEAK))
-        if safe_getattr(args, "rotary_embeddings", False) else None,
+        if rotary else None,
         block_size=block_size,
         backend=attention_backend(args),
         cache_size=cache_size,
         layer_bias=layer_bias,
-        score_transform=score_transform,
-        query_scales=scales,
-        stick_breaking=safe_getattr(args, "stick_breaking", False),
-        selective=selective,
+        methods=builders,
     )
 
 

@@ -1,9 +1,14 @@
-"""DAPE: a learned function of every head's scores and bias, added to the logits."""
+"""DAPE: a learned function of every head's scores and bias, added to the logits (``--dape``)."""
+
+from dataclasses import dataclass, field
+from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
+from fairseq.dataclass import ChoiceEnum
 from torch import Tensor, nn
 
+from kerple_fairseq.attention.methods.base import SCORES, AttentionMethod, register_attention_method
 from kerple_fairseq.errors import KernelConfigError
 
 #: LeakyReLU's negative slope in the reference (PyTorch's default)
@@ -11,7 +16,18 @@ NEGATIVE_SLOPE = 0.01
 VARIANTS = ("none", "mlp", "conv")
 
 
-class ScoreTransform(nn.Module):
+@dataclass
+class DapeOptions:
+    dape: ChoiceEnum(list(VARIANTS)) = field(default="none", metadata={
+        "help": "DAPE: add a learned function of every head's scaled scores and bias to the logits (mlp: per "
+        "(i, j), DAPE v1; conv: along the keys, DAPE v2); composes with every kernel and rotary; attention "
+        "then runs on the explicit path, block by block"})
+    dape_width: int = field(default=32, metadata={"help": "DAPE: hidden width of each layer's network"})
+    dape_kernel_size: int = field(default=3, metadata={"help": "DAPE v2 (--dape conv): odd kernel size along the keys"})
+
+
+@register_attention_method("dape")
+class DataAdaptiveLogits(AttentionMethod):
     """``Z = S + B + g([S; B])`` for one layer: ``S`` the scaled scores ``[batch, H, T, S]``, ``B``
     the positional bias (``-inf`` at keys a query may not see), ``g`` a small network across the
     ``2H`` channels of all heads' scores and biases (Zheng et al., "DAPE: Data-Adaptive Positional
@@ -22,9 +38,26 @@ class ScoreTransform(nn.Module):
     one block of ``[batch, 2H, queries, keys]`` exists.
     """
 
-    def __init__(self, g: nn.Module):
+    options = DapeOptions
+    switch = "dape"
+    acts_on = SCORES
+
+    @classmethod
+    def command_lines(cls) -> Dict[str, List[str]]:
+        """``dape``: v1 (``--dape mlp``); ``dape-conv``: v2."""
+        return {"dape": ["--dape", "mlp"], "dape-conv": ["--dape", "conv"]}
+
+    def __init__(self, num_heads: int, head_dim: int, dape: str = "mlp", dape_width: int = 32,
+                 dape_kernel_size: int = 3):
         super().__init__()
-        self.g = g
+        if dape not in VARIANTS[1:]:
+            raise KernelConfigError(f"unknown --dape {dape!r}; choose one of: {', '.join(VARIANTS)}")
+        if dape_width < 1:
+            raise KernelConfigError(f"--dape-width must be >= 1, got {dape_width}")
+        if dape_kernel_size < 1 or dape_kernel_size % 2 == 0:
+            raise KernelConfigError(f"--dape-kernel-size must be odd and >= 1 (the output keeps the key axis's "
+                                    f"length), got {dape_kernel_size}")
+        self.g = PerCell(num_heads, dape_width) if dape == "mlp" else AlongKeys(num_heads, dape_width, dape_kernel_size)
 
     def forward(self, q: Tensor, scores: Tensor, bias: Tensor) -> Tensor:
         """The logits of a block from its ``scores`` and ``bias`` (its queries ``q`` are not read)."""
@@ -67,18 +100,3 @@ class AlongKeys(nn.Module):
     def forward(self, features: Tensor) -> Tensor:
         hidden = self.activation(self.hidden(F.pad(features, (self.reach, self.reach))))
         return self.out(hidden)
-
-
-def build_score_transform(variant: str, num_heads: int, width: int = 32, kernel_size: int = 3):
-    """The :class:`ScoreTransform` of ``--dape VARIANT`` for one layer; None for ``none``."""
-    if variant not in VARIANTS:
-        raise KernelConfigError(f"unknown --dape {variant!r}; choose one of: {', '.join(VARIANTS)}")
-    if width < 1:
-        raise KernelConfigError(f"--dape-width must be >= 1, got {width}")
-    if kernel_size < 1 or kernel_size % 2 == 0:
-        raise KernelConfigError(f"--dape-kernel-size must be odd and >= 1 (the output keeps the key axis's "
-                                f"length), got {kernel_size}")
-    if variant == "none":
-        return None
-    g = PerCell(num_heads, width) if variant == "mlp" else AlongKeys(num_heads, width, kernel_size)
-    return ScoreTransform(g)

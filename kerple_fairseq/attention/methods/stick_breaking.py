@@ -1,4 +1,4 @@
-"""Stick-breaking attention: attention weights without a softmax.
+"""Stick-breaking attention: attention weights without a softmax (``--stick-breaking``).
 
 Tan et al., "Scaling Stick-Breaking Attention" (ICLR 2025), §2: with ``b_ij = sigmoid(z_ij)`` from the
 logits ``z``, query ``i`` gives key ``j < i`` the weight
@@ -19,18 +19,37 @@ Keys a query may not see (future, outside an attention window, padding) have log
 the keys inside it only.
 """
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kerple_fairseq.attention.blocks import QueryBlock
+from kerple_fairseq.attention.blocks import QueryBlock, diagonal
+from kerple_fairseq.attention.methods.base import WEIGHTS, AttentionMethod, register_attention_method
 
 
-def diagonal(block: QueryBlock, device) -> Tensor:
-    """``[queries, keys]`` bool: each query's own key in the block (query ``t`` is key ``offset + t``)."""
-    queries = torch.arange(block.num_queries, device=device)[:, None]
-    keys = torch.arange(block.num_keys, device=device)[None, :]
-    return keys == block.offset + queries
+@dataclass
+class StickBreakingOptions:
+    stick_breaking: bool = field(default=False, metadata={
+        "help": "stick-breaking attention instead of the softmax: key j < i gets sigmoid(z_ij) of what the keys "
+        "between them left, the remainder goes to the query's own value; composes with every kernel (usually "
+        "none) and logit method; attention then runs on the explicit path, block by block"})
+
+
+@register_attention_method("stick_breaking")
+class StickBreaking(AttentionMethod):
+    """Stick-breaking weights in place of the softmax (:func:`stick_breaking_weights`); no parameters."""
+
+    options = StickBreakingOptions
+    switch = "stick_breaking"
+    acts_on = WEIGHTS
+
+    def __init__(self, num_heads: int, head_dim: int, stick_breaking: bool = True):
+        super().__init__()
+
+    def weights(self, logits: Tensor, block: QueryBlock) -> Tensor:
+        return stick_breaking_weights(logits, block)
 
 
 def stick_breaking_weights(logits: Tensor, block: QueryBlock) -> Tensor:

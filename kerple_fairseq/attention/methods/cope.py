@@ -1,12 +1,27 @@
-"""CoPE: positions counted by the query's gates over the keys, and their learned embeddings in the logits."""
+"""CoPE: positions counted by the query's gates over the keys, and their learned embeddings in the
+logits (``--cope``)."""
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
+from kerple_fairseq.attention.methods.base import SCORES, AttentionMethod, register_attention_method
 from kerple_fairseq.errors import KernelConfigError
 
 
-class ContextualPositions(nn.Module):
+@dataclass
+class CopeOptions:
+    cope: bool = field(default=False, metadata={
+        "help": "CoPE: add q . e(p) to the logits, p the sum of the query's gates sigmoid(q . k) from each key to "
+        "itself, e a learned table per layer read between integer positions; composes with every kernel and "
+        "rotary; attention then runs on the explicit path, block by block"})
+    cope_max_positions: int = field(default=0, metadata={
+        "help": "CoPE: positions in each layer's table (counts are clipped below it); 0: --tokens-per-sample + 1"})
+
+
+@register_attention_method("cope")
+class ContextualPositions(AttentionMethod):
     """Contextual position encoding (Golovneva et al., "Contextual Position Encoding: Learning to
     Count What's Important", 2024, §4), one layer's:
 
@@ -27,6 +42,16 @@ class ContextualPositions(nn.Module):
     the sequence. Gates, their sums and the interpolation are float32 (a sum over thousands of
     keys in fp16 would lose whole positions; float64 for float64 scores), cast once.
     """
+
+    options = CopeOptions
+    switch = "cope"
+    acts_on = SCORES
+
+    @classmethod
+    def build(cls, num_heads: int, head_dim: int, cfg) -> "ContextualPositions":
+        """``P`` is ``--cope-max-positions``, or the training length + 1."""
+        positions = getattr(cfg, "cope_max_positions", 0) or (getattr(cfg, "tokens_per_sample", 0) or 0) + 1
+        return cls(head_dim, positions)
 
     def __init__(self, head_dim: int, max_positions: int):
         super().__init__()

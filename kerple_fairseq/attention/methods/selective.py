@@ -1,4 +1,4 @@
-"""Selective attention: a token can hide earlier tokens from every token after it.
+"""Selective attention: a token can hide earlier tokens from every token after it (``--selective-attention``).
 
 Leviathan, Kalman and Matias, "Selective Attention Improves Transformer" (ICLR 2025), §2: from the
 logits ``z`` of head 0 (scaled, with the positional bias, causally masked), the selection
@@ -14,25 +14,58 @@ The selection and ``F`` are computed in float32 (float64 for float64 logits), wh
 precision: ``F`` grows with the number of queries.
 """
 
+from dataclasses import dataclass, field
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kerple_fairseq.attention.blocks import QueryBlock
-from kerple_fairseq.attention.stick_breaking import diagonal
+from kerple_fairseq.attention.blocks import QueryBlock, diagonal
+from kerple_fairseq.attention.methods.base import (SCORES, AttentionMethod, CallTransforms,
+                                                   register_attention_method)
 
 
-class SelectionSums:
+@dataclass
+class SelectiveOptions:
+    selective_attention: bool = field(default=False, metadata={
+        "help": "selective attention: head 0's positive logits, summed over earlier queries, are subtracted from "
+        "every head's logits (no parameters); composes with every kernel and rotary, not with DAPE, CoPE or "
+        "ReRoPE; the explicit path, block by block"})
+
+
+@register_attention_method("selective")
+class SelectiveAttention(AttentionMethod):
+    """Selective attention's logits (see the module); its running sums are cached as ``prev_selection``."""
+
+    options = SelectiveOptions
+    switch = "selective_attention"
+    acts_on = SCORES
+    cached_state = "prev_selection"
+
+    def __init__(self, num_heads: int, head_dim: int, selective_attention: bool = True):
+        super().__init__()
+
+    def new_key_state(self, q: Tensor) -> Tensor:
+        """Zeros ``[batch, new keys]``: no query has selected a new key yet."""
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return q.new_zeros(q.size(0), q.size(2), dtype=dtype)
+
+    def call_transforms(self, state: Optional[Tensor], first_key_position: int) -> "SelectionSums":
+        return SelectionSums(state, first_key_position)
+
+
+class SelectionSums(CallTransforms):
     """The running sum of the selection over the queries of one call, block after block.
 
-    ``sums`` ``[batch, keys]``: for every key of the call, ``sum_k S_kj`` over the queries before the
+    ``state`` ``[batch, keys]``: for every key of the call, ``sum_k S_kj`` over the queries before the
     call's first one (zeros for a call without cache); ``first_key_position``: the absolute position
     of the call's key 0. :meth:`transform` gives a block's score transform; blocks must be
-    transformed in order of their queries, and :attr:`sums` then holds the sum over every query of
+    transformed in order of their queries, and :attr:`state` then holds the sum over every query of
     the call."""
 
     def __init__(self, sums: Tensor, first_key_position: int):
-        self.sums = sums
+        super().__init__(None, sums)
         self.first_key_position = first_key_position
 
     def transform(self, block: QueryBlock):
@@ -47,10 +80,10 @@ class SelectionSums:
                 never[:, 0] = True  # the first token
             selection = selection.masked_fill(never, 0.0)
             keys = slice(block.key_start, block.key_end)
-            before = self.sums[:, None, keys].to(dtype)
+            before = self.state[:, None, keys].to(dtype)
             # F_ij: the sums before the block, plus the block's earlier queries (an exclusive cumulative sum)
             forgotten = before + selection.cumsum(dim=1) - selection
-            self.sums = self.sums + F.pad(selection.sum(dim=1), (block.key_start, self.sums.size(1) - block.key_end))
+            self.state = self.state + F.pad(selection.sum(dim=1), (block.key_start, self.state.size(1) - block.key_end))
             return logits - forgotten[:, None]
 
         return selective_logits

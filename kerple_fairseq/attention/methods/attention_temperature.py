@@ -1,0 +1,57 @@
+"""Llama 4's attention temperature on the queries (``--attn-temperature-tuning``)."""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kerple_fairseq.attention.methods.base import QUERIES, AttentionMethod, register_attention_method
+from kerple_fairseq.errors import KernelConfigError
+
+#: Llama 4's ``floor_scale`` and ``attn_scale`` (transformers' ``Llama4TextConfig``)
+TEMPERATURE_FLOOR_SCALE, TEMPERATURE_SCALE = 8192, 0.1
+
+
+@dataclass
+class TemperatureOptions:
+    attn_temperature_tuning: bool = field(default=False, metadata={
+        "help": "Llama 4's attention temperature: the query at position i times 1 + --attn-temperature-scale * "
+        "log(floor((i + 1) / --attn-temperature-floor-scale) + 1); for evaluation of any model: "
+        "--model-overrides \"{'attn_temperature_tuning': True}\""})
+    attn_temperature_floor_scale: int = field(default=TEMPERATURE_FLOOR_SCALE, metadata={
+        "help": "Llama 4's attention temperature: positions per step of the floor (its floor_scale)"})
+    attn_temperature_scale: float = field(default=TEMPERATURE_SCALE, metadata={
+        "help": "Llama 4's attention temperature: beta (its attn_scale)"})
+
+
+@register_attention_method("attn_temperature")
+class AttentionTemperature(AttentionMethod):
+    """Llama 4's attention temperature tuning (Meta, 2025; transformers' ``Llama4TextAttention``): the
+    query at position ``i`` is multiplied by ``1 + beta * log(floor((i + 1) / F) + 1)``, 1 before
+    position ``F - 1``, growing with the log of the length beyond it. The logits ``q . k`` scale and a
+    positional bias added to them does not; every backend serves it. An inference-time factor with no
+    parameters, usable on any trained model."""
+
+    options = TemperatureOptions
+    switch = "attn_temperature_tuning"
+    acts_on = QUERIES
+    precedence = 1  # after a model's learned query scales (an evaluation-time factor)
+
+    def __init__(self, num_heads: int = 0, head_dim: int = 0, attn_temperature_tuning: bool = True,
+                 attn_temperature_floor_scale: int = TEMPERATURE_FLOOR_SCALE,
+                 attn_temperature_scale: float = TEMPERATURE_SCALE):
+        super().__init__()
+        if attn_temperature_floor_scale < 1:
+            raise KernelConfigError(f"--attn-temperature-floor-scale must be >= 1, got {attn_temperature_floor_scale}")
+        if not math.isfinite(attn_temperature_scale):
+            raise KernelConfigError(f"--attn-temperature-scale must be a finite number, got {attn_temperature_scale}")
+        self.floor_scale, self.beta = attn_temperature_floor_scale, float(attn_temperature_scale)
+
+    def scale_queries(self, q: Tensor, first_position: int, keys_seen: int) -> Tensor:
+        positions = torch.arange(first_position, first_position + q.size(2), dtype=torch.float64, device=q.device)
+        factor = 1.0 + self.beta * torch.log(torch.floor((positions + 1) / self.floor_scale) + 1)
+        return q * factor.to(q.dtype)[:, None]
+
+    def extra_repr(self) -> str:
+        return f"floor_scale={self.floor_scale}, scale={self.beta:g}"
