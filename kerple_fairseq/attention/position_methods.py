@@ -12,6 +12,7 @@ from kerple_fairseq.layer_biases import LAYER_BIASES
 
 KERNEL, LAYER_BIAS, ATTENTION_METHOD = "bias kernel", "layer bias", "attention method"
 REGISTRIES: Dict[str, Dict[str, type]] = {KERNEL: KERNELS, LAYER_BIAS: LAYER_BIASES, ATTENTION_METHOD: ATTENTION_METHODS}
+PLURALS = {KERNEL: "bias kernels", LAYER_BIAS: "layer biases", ATTENTION_METHOD: "attention methods"}
 
 
 class PositionMethod(NamedTuple):
@@ -31,6 +32,10 @@ def position_method(name: str) -> PositionMethod:
     if len(found) > 1:
         raise KernelConfigError(f"{name!r} is registered as {' and as '.join(f.kind for f in found)}")
     if not found:
-        choices = "; ".join(f"{kind}s: {', '.join(sorted(registry))}" for kind, registry in REGISTRIES.items())
-        raise KernelConfigError(f"unknown position method {name!r}; choose one of the {choices}")
+        raise KernelConfigError(f"unknown position method {name!r}; choose one of the {choices()}")
     return found[0]
+
+
+def choices() -> str:
+    """Every registered name, by registry: ``bias kernels: alibi, ...; layer biases: ...; attention methods: ...``."""
+    return "; ".join(f"{PLURALS[kind]}: {', '.join(sorted(registry))}" for kind, registry in REGISTRIES.items())

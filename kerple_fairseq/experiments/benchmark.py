@@ -19,6 +19,7 @@ import torch
 
 from kerple_fairseq.attention import flex
 from kerple_fairseq.attention.attend import BACKENDS
+from kerple_fairseq.attention.methods import ATTENTION_METHODS
 from kerple_fairseq.attention.self_attention import recorded
 from kerple_fairseq.experiments.language_models import build_language_model, model_size_flags
 from kerple_fairseq.experiments.paths import SCRIPTS
@@ -26,10 +27,10 @@ from kerple_fairseq.experiments.paths import SCRIPTS
 #: stock fairseq models by name: their position encoding (``none``: the causal mask alone)
 STOCK = {"none": ["--no-token-positional-embeddings"], "sinusoidal": []}
 DEFAULT_MODELS = ["none", "sinusoidal", "alibi", "kerple_log", "kerple_power", "t5"]
-#: after "+": a method over the kernel: DAPE v1 or v2, CoPE, stick-breaking, selective attention, scalable
-#: softmax, rotary (with ReRoPE or leaky ReRoPE as if at 4x a training length of 512)
-ADDED_METHODS = {"": [], "dape": ["--dape", "mlp"], "dape-conv": ["--dape", "conv"], "cope": ["--cope"],
-                 "stick-breaking": ["--stick-breaking"], "selective": ["--selective-attention"], "ssmax": ["--ssmax"],
+#: after "+": a method over the kernel: every attention method (DAPE v1 as dape, v2 as dape-conv, cope,
+#: stick-breaking, selective, ssmax, ...), rotary (with ReRoPE or leaky ReRoPE as if at 4x a training length of 512)
+ADDED_METHODS = {"": [], **{label: flags for method in ATTENTION_METHODS.values()
+                            for label, flags in method.command_lines().items()},
                  "rotary": ["--rotary-embeddings"],
                  **{f"rotary-{r}": ["--rotary-embeddings", "--rotary-scaling", r, "--tokens-per-sample", "512"]
                     for r in ("rerope", "leaky-rerope")}}

@@ -4,8 +4,8 @@ checks it), at the small comparison's size or on ALiBi's WikiText-103 model."""
 
 from typing import List, NamedTuple, Tuple
 
-from kerple_fairseq.kernels import kernel_names
-from kerple_fairseq.layer_biases import layer_bias_names
+from kerple_fairseq.attention.position_methods import ATTENTION_METHOD, choices, position_method
+from kerple_fairseq.errors import KernelConfigError
 
 
 # the families of the leaderboard's figure, a panel each, in its order
@@ -67,12 +67,17 @@ POSITION_ENCODINGS = {
 
 
 def position_encoding(name: str) -> PositionEncoding:
-    """A comparison's position encoding, or any bias kernel on ``transformer_lm_kerple``; raises
-    ``ValueError`` naming the choices for anything else."""
+    """A comparison's position encoding; or any registered position method by name: a bias kernel or
+    layer bias on ``transformer_lm_kerple``, an attention method over no position encoding (NoPE, its
+    baseline); raises ``ValueError`` naming the choices for anything else."""
     if name in POSITION_ENCODINGS:
         return POSITION_ENCODINGS[name]
-    kernels = sorted(kernel_names() + layer_bias_names())
-    if name in kernels:
-        return PositionEncoding(name, "kerple", ("--bias-kernel", name))
-    raise ValueError(f"unknown model {name!r}: choose a position encoding ({', '.join(POSITION_ENCODINGS)}) "
-                     f"or a bias kernel ({', '.join(kernels)})")
+    try:
+        kind, cls = position_method(name)
+    except KernelConfigError as e:
+        raise ValueError(f"unknown model {name!r}: choose a position encoding ({', '.join(POSITION_ENCODINGS)}) "
+                         f"or a position method ({choices()})") from e
+    if kind == ATTENTION_METHOD:
+        flags = next(iter(cls.command_lines().values()))
+        return PositionEncoding(name, "kerple", ("--bias-kernel", "none", *flags), family=CONTEXTUAL, baseline="nope")
+    return PositionEncoding(name, "kerple", ("--bias-kernel", name))

@@ -49,6 +49,20 @@ def _make_config():
             ),
         ),
         (
+            "layer_positions",
+            str,
+            field(
+                default="",
+                metadata={
+                    "help": "each layer's own position encoding and window, as comma-separated entries repeated over "
+                    "the layers: NAME[+NAME...][@WINDOW] with rotary, nope, a --bias-kernel name or an attention "
+                    "method, e.g. 'rotary@128,rotary@128,rotary@128,nope' (3 rotary sliding-window layers to 1 "
+                    "global NoPE layer); replaces --bias-kernel, --rotary-embeddings and --attn-window; '': every "
+                    "layer the model's"
+                },
+            ),
+        ),
+        (
             "attention_block_size",
             int,
             field(

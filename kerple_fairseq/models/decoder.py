@@ -1,13 +1,15 @@
 """fairseq's Transformer decoder whose layers attend with a kernel bias instead of the future mask."""
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
+from typing import Dict, List, Optional
 
 from fairseq.logging import metrics
 from fairseq.models.transformer import TransformerDecoder
 from fairseq.modules import transformer_layer
 from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.utils import safe_getattr
+from torch import nn
 
 from kerple_fairseq.attention.distance_bias import DistanceBias
 from kerple_fairseq.attention.methods import check_composition, chosen_methods
@@ -15,9 +17,10 @@ from kerple_fairseq.attention.rotary import (DYNAMIC_NTK_STEP, RE_ROPE, REROPE_L
                                              RotaryEmbedding)
 from kerple_fairseq.attention.self_attention import AttentionSetup, BiasedSelfAttention
 from kerple_fairseq.errors import KernelConfigError
-from kerple_fairseq.kernels import build_kernel
+from kerple_fairseq.kernels import BiasKernel, build_kernel
 from kerple_fairseq.layer_biases import LAYER_BIASES, build_layer_bias
 from kerple_fairseq.models.config import DEFAULT_BLOCK_SIZE
+from kerple_fairseq.models.position_plan import LayerPositions, layer_plan
 
 # what max_positions() reports when nothing in the model limits the length
 UNBOUNDED_POSITIONS = 1 << 30
@@ -35,22 +38,47 @@ def replaced(module, name: str, value):
         setattr(module, name, stock)
 
 
-def attention_setup(args) -> AttentionSetup:
-    """The decoder's shared bias, rotary embedding and attention options, and the builders of each
-    layer's own bias and attention methods, from its arguments. A layer bias (``--bias-kernel`` naming
-    one of :mod:`kerple_fairseq.layer_biases`) is added to the distance bias of its ``distance_kernel``."""
+def attention_setups(args) -> List[AttentionSetup]:
+    """Each layer's :class:`AttentionSetup`: the model's for every layer, or with ``--layer-positions``
+    one per entry of the plan (a kernel named by several entries is one module, shared)."""
+    plan = layer_plan(safe_getattr(args, "layer_positions", ""), args.decoder_layers)
+    if not plan:
+        return [attention_setup(args)] * args.decoder_layers
+    for flag, value in (("--rotary-embeddings", safe_getattr(args, "rotary_embeddings", False)),
+                        ("--attn-window", safe_getattr(args, "attn_window", 0))):
+        if value:
+            raise KernelConfigError(f"--layer-positions names each layer's encoding and window: drop {flag} "
+                                    "(write rotary, or @WINDOW, in the plan's entries)")
+    kernels, setups = {}, {}
+    for entry in plan:
+        if entry not in setups:
+            setups[entry] = attention_setup(args, entry, kernels)
+    return [setups[entry] for entry in plan]
+
+
+def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optional[Dict[str, BiasKernel]] = None
+                    ) -> AttentionSetup:
+    """A layer's bias, rotary embedding and attention options, and the builders of its own bias and
+    attention methods: from the model's arguments, or with ``entry`` (a plan's) the bias, rotary, window
+    and added methods it names (``kernels``: the kernels built so far, by name, shared). A layer bias
+    (``--bias-kernel`` naming one of :mod:`kerple_fairseq.layer_biases`) is added to the distance bias
+    of its ``distance_kernel``."""
     heads = args.decoder_attention_heads
     head_dim = args.decoder_embed_dim // heads
     layer_bias = None
-    kernel_name = args.bias_kernel
+    kernel_name = args.bias_kernel if entry is None else entry.bias
     if kernel_name in LAYER_BIASES:
         layer_bias = partial(build_layer_bias, kernel_name, heads, args.decoder_embed_dim, args)
         layer_bias()  # options are checked once, before any layer is built
         kernel_name = LAYER_BIASES[kernel_name].distance_kernel
-    kernel = build_kernel(kernel_name, heads, args, head_dim=head_dim)
+    kernels = {} if kernels is None else kernels
+    if kernel_name not in kernels:
+        kernels[kernel_name] = build_kernel(kernel_name, heads, args, head_dim=head_dim)
+    kernel = kernels[kernel_name]
     rotary_scaling = str(safe_getattr(args, "rotary_scaling", "none"))
-    rotary = safe_getattr(args, "rotary_embeddings", False)
-    methods = chosen_methods(args)
+    rotary = safe_getattr(args, "rotary_embeddings", False) if entry is None else entry.rotary
+    window = safe_getattr(args, "attn_window", 0) if entry is None else entry.window
+    methods = chosen_methods(args, () if entry is None else entry.methods)
     check_composition(methods, [f"--rotary-scaling {rotary_scaling}"] if rotary and rotary_scaling in RE_ROPE else [])
     builders = [partial(method.build, heads, head_dim, args) for method in methods]
     for build in builders:
@@ -62,7 +90,7 @@ def attention_setup(args) -> AttentionSetup:
     if cache_size < 0:
         raise KernelConfigError(f"--max-cache-window must be >= 0 (0: keep every key), got {cache_size}")
     return AttentionSetup(
-        bias=DistanceBias(kernel, attention_window=safe_getattr(args, "attn_window", 0)),
+        bias=DistanceBias(kernel, attention_window=window),
         rotary=RotaryEmbedding(head_dim, xpos=safe_getattr(args, "rotary_xpos", False),
                                xpos_scale_base=safe_getattr(args, "xpos_scale_base", XPOS_SCALE_BASE),
                                scaling=rotary_scaling,
@@ -121,14 +149,26 @@ class KernelBiasedDecoder(TransformerDecoder):
     """
 
     def __init__(self, args, dictionary, embed_tokens, no_encoder_attn=False, output_projection=None):
-        # fairseq builds the layers inside TransformerDecoder.__init__, through build_decoder_layer
-        self.setup = attention_setup(args)
+        # fairseq builds the layers inside TransformerDecoder.__init__, through build_decoder_layer, in order
+        self.layer_setups = attention_setups(args)
+        self.setup = self.layer_setups[0]
+        self._setups_to_build = iter(self.layer_setups)
         super().__init__(args, dictionary, embed_tokens, no_encoder_attn=no_encoder_attn,
                          output_projection=output_projection)
-        self.attention_bias = self.setup.bias
+        del self._setups_to_build
+        biases = list({id(s.bias): s.bias for s in self.layer_setups}.values())
+        if len(biases) == 1:
+            self.attention_bias = biases[0]
+        else:  # a per-layer plan: each of its biases (a kernel named twice is one module, under both)
+            self.attention_biases = nn.ModuleList(biases)
+
+    @property
+    def biases(self) -> List[DistanceBias]:
+        """Every distinct bias of the layers."""
+        return [self.attention_bias] if hasattr(self, "attention_bias") else list(self.attention_biases)
 
     def build_decoder_layer(self, args, no_encoder_attn=False):
-        layer = partial(KernelBiasedDecoderLayer, setup=self.setup)
+        layer = partial(KernelBiasedDecoderLayer, setup=next(self._setups_to_build))
         with replaced(transformer_layer, "TransformerDecoderLayerBase", layer):
             return super().build_decoder_layer(args, no_encoder_attn=no_encoder_attn)
 
@@ -136,7 +176,9 @@ class KernelBiasedDecoder(TransformerDecoder):
                          full_context_alignment=False, alignment_layer=None, alignment_heads=None):
         if self.training:
             self.log_kernel_parameters()
-        with self.attention_bias.forward_scope():
+        with ExitStack() as scopes:
+            for bias in self.biases:
+                scopes.enter_context(bias.forward_scope())
             return super().extract_features(
                 prev_output_tokens,
                 encoder_out=encoder_out,
@@ -149,13 +191,16 @@ class KernelBiasedDecoder(TransformerDecoder):
     def log_kernel_parameters(self) -> None:
         """Each head's learnable kernel parameters as training metrics (``kernel/r1/h1``, ...):
         fairseq averages them over the log interval and writes them to the log and TensorBoard."""
-        values = getattr(self.attention_bias.kernel, "values", None)
-        if values is None:
-            return
-        for name, per_head in values().items():
-            per_head = per_head.detach().float()  # tensors: read only when fairseq logs, no sync per step
-            for head in range(per_head.numel()):
-                metrics.log_scalar(f"kernel/{name}/h{head + 1}", per_head[head], priority=1000, round=4)
+        kernels = list({id(bias.kernel): bias.kernel for bias in self.biases}.values())
+        for kernel in kernels:
+            values = getattr(kernel, "values", None)
+            if values is None:
+                continue
+            prefix = f"kernel/{kernel.name}." if len(kernels) > 1 else "kernel/"
+            for name, per_head in values().items():
+                per_head = per_head.detach().float()  # tensors: read only when fairseq logs, no sync per step
+                for head in range(per_head.numel()):
+                    metrics.log_scalar(f"{prefix}{name}/h{head + 1}", per_head[head], priority=1000, round=4)
 
     def buffered_future_mask(self, tensor):
         """None: each layer's attention lays out the causal mask and the kernel's bias itself, block

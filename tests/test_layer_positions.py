@@ -1,0 +1,105 @@
+"""Per-layer position plans (``--layer-positions``): each layer gets the encoding and window its entry
+names, the machinery of the model-wide flags serves every layer (a plan of one entry is the model of
+those flags), decoding equals full scoring, and bad plans are one-line errors."""
+
+import pytest
+import torch
+
+from kerple_fairseq.attention.methods.attention_temperature import AttentionTemperature
+from kerple_fairseq.errors import KernelConfigError
+
+from conftest import assert_finite_falling_loss, train_in_process
+from helpers import tiny_model
+from test_decoding_paths_of_newer_methods import beam_search_matches_full_scoring
+from test_layer_biases import log_probs, tokens_of
+
+#: RNoPE-SWA's layout (3 rotary sliding-window layers to 1 global NoPE layer), Llama 4's temperature in the
+#: NoPE layer only, over six layers (the plan repeats)
+HYBRID = "rotary@8,rotary@8,rotary@8,nope+attn_temperature"
+LAYERS = ["--decoder-layers", "6"]
+
+
+def hybrid(*flags):
+    return tiny_model("kerple_log", *LAYERS, "--layer-positions", HYBRID, "--attn-temperature-floor-scale", "4",
+                      *flags)
+
+
+def test_each_layer_gets_the_encoding_and_window_of_its_entry():
+    model = hybrid()
+    named = [(a.setup.bias.attention_window, a.setup.rotary is not None, a.setup.bias.kernel.name,
+              [type(m).__name__ for m in a.query_scales or ()])
+             for a in (layer.self_attn for layer in model.decoder.layers)]
+    rotary_window = (8, True, "none", [])
+    nope_global = (0, False, "none", [AttentionTemperature.__name__])
+    assert named == [rotary_window, rotary_window, rotary_window, nope_global, rotary_window, rotary_window]
+    # one setup per entry, shared by its layers
+    setups = [layer.self_attn.setup for layer in model.decoder.layers]
+    assert setups[0] is setups[1] is setups[4] and setups[3] is not setups[0]
+
+
+def test_a_kernel_named_twice_is_one_module_and_in_the_checkpoint_under_each_bias():
+    model = tiny_model("none", "--layer-positions", "alibi@4,alibi")
+    biases = model.decoder.attention_biases
+    assert len(biases) == 2 and biases[0].kernel is biases[1].kernel and biases[0].kernel.name == "alibi"
+    assert [b.attention_window for b in biases] == [4, 0]
+    assert not hasattr(model.decoder, "attention_bias")
+
+
+@pytest.mark.parametrize("entry, flags", [
+    ("alibi@6", ["--bias-kernel", "alibi", "--attn-window", "6"]),
+    ("rotary+window@6", ["--bias-kernel", "window", "--rotary-embeddings", "--attn-window", "6"]),
+    ("kerple_log+ssmax", ["--bias-kernel", "kerple_log", "--ssmax"]),
+    ("fox", ["--bias-kernel", "fox"]),
+])
+def test_a_plan_of_one_entry_is_the_model_of_the_same_flags(entry, flags):
+    torch.manual_seed(0)
+    planned = tiny_model("none", "--layer-positions", entry).eval()
+    plain = tiny_model(flags[1], *flags[2:]).eval()
+    assert set(planned.state_dict()) == set(plain.state_dict())
+    plain.load_state_dict(planned.state_dict())
+    tokens = tokens_of()
+    torch.testing.assert_close(log_probs(planned, tokens), log_probs(plain, tokens), rtol=0, atol=0)
+
+
+def test_the_plan_changes_what_the_model_computes():
+    torch.manual_seed(0)
+    model = hybrid().eval()
+    everywhere = tiny_model("none", *LAYERS, "--rotary-embeddings").eval()
+    everywhere.load_state_dict(model.state_dict())
+    tokens = tokens_of(length=30)
+    assert (log_probs(model, tokens) - log_probs(everywhere, tokens)).abs().max() > 1e-3
+
+
+def test_decoding_blocks_and_beams_of_a_hybrid_equal_full_scoring():
+    torch.manual_seed(0)
+    model = hybrid().double().eval()
+    tokens = tokens_of(length=30)
+    full = log_probs(model, tokens)
+    torch.testing.assert_close(log_probs(model, tokens, incremental=True), full, rtol=0, atol=1e-10)
+    blocked = hybrid("--attention-block-size", "4").double().eval()
+    blocked.load_state_dict(model.state_dict())
+    torch.testing.assert_close(log_probs(blocked, tokens), full, rtol=0, atol=1e-10)
+    beam_search_matches_full_scoring(hybrid().eval())
+
+
+@pytest.mark.parametrize("plan, flags, message", [
+    ("alibi+t5", [], "names two biases (alibi and t5); choose one per layer"),
+    ("rotary+alibi", [], "alibi already encodes position; rotary goes with none or window only"),
+    ("rotary@0", [], "the window after @ must be a whole number of keys >= 1"),
+    ("nope,", [], "names no encoding: use nope for none"),
+    ("rotray", [], "unknown position method 'rotray'; choose one of the bias kernels: alibi"),
+    ("rotary", ["--rotary-embeddings"], "--layer-positions names each layer's encoding and window: drop "
+                                        "--rotary-embeddings"),
+    ("dape+cope", [], "--cope and --dape each rewrite the attention logits; choose one"),
+])
+def test_bad_plans_are_one_line_errors(plan, flags, message):
+    with pytest.raises(KernelConfigError, match=message.replace("+", r"\+").replace("(", r"\(").replace(")", r"\)")):
+        tiny_model("none", "--layer-positions", plan, *flags)
+
+
+def test_a_hybrid_trains_through_fairseq_train(data_bin, tmp_path):
+    losses = train_in_process(data_bin, tmp_path, 40, "--arch", "transformer_lm_kerple", "--bias-kernel", "none",
+                              "--layer-positions", "rotary@16,nope")
+    assert_finite_falling_loss(losses, 40, "rotary@16,nope")
+    state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
+    assert state["cfg"]["model"]["layer_positions"] == "rotary@16,nope"

@@ -1,0 +1,89 @@
+"""The cost of a new attention method: one module of its own. A toy method written into a copy of the
+package, and no other file changed, is found in fairseq-train's options, the model's configuration, the
+comparison's table and the benchmark's models, and trains."""
+
+import shutil
+import sys
+import textwrap
+
+import pytest
+
+from conftest import REPO, run
+
+TOY_METHOD = '''
+"""A toy attention method: every query times a learned gain per head."""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kerple_fairseq.attention.methods.base import QUERIES, AttentionMethod, register_attention_method
+
+
+@dataclass
+class ToyGainOptions:
+    toy_gain: bool = field(default=False, metadata={"help": "toy: each query times a learned gain"})
+    toy_gain_init: float = field(default=2.0, metadata={"help": "toy: the initial gain"})
+
+
+@register_attention_method("toy_gain")
+class ToyGain(AttentionMethod):
+    options = ToyGainOptions
+    switch = "toy_gain"
+    acts_on = QUERIES
+
+    def __init__(self, num_heads, head_dim, toy_gain=True, toy_gain_init=2.0):
+        super().__init__()
+        self.gain = nn.Parameter(torch.full((num_heads,), float(toy_gain_init)))
+
+    def scale_queries(self, q, first_position, keys_seen):
+        return q * self.gain.to(q.dtype)[:, None, None]
+'''
+
+CHECKS = '''
+import sys
+from pathlib import Path
+
+import torch
+
+import kerple_fairseq
+assert Path(kerple_fairseq.__file__).parent == Path(sys.argv[1]), kerple_fairseq.__file__
+from fairseq import options
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq_cli.train import main
+
+from kerple_fairseq.experiments.benchmark import ADDED_METHODS
+from kerple_fairseq.experiments.position_encodings import position_encoding
+from kerple_fairseq.models.config import KernelBiasedLMConfig
+
+data_bin, save_dir = sys.argv[2], sys.argv[3]
+encoding = position_encoding("toy_gain")
+flags = [data_bin, "--user-dir", sys.argv[1], "--task", "language_modeling", *encoding.model_flags(),
+         "--toy-gain-init", "3", "--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+         "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--max-tokens", "256", "--optimizer", "adam",
+         "--lr", "0.001", "--cpu", "--max-update", "2", "--num-workers", "0", "--disable-validation",
+         "--no-epoch-checkpoints", "--save-dir", save_dir, "--distributed-world-size", "1"]
+assert encoding.model_flags() == ["--arch", "transformer_lm_kerple", "--bias-kernel", "none", "--toy-gain"]
+assert ADDED_METHODS["toy-gain"] == ["--toy-gain"]
+assert "toy_gain_init" in KernelBiasedLMConfig.__dataclass_fields__
+args = options.parse_args_and_arch(options.get_training_parser(), flags)
+assert args.toy_gain is True and args.toy_gain_init == 3.0
+main(convert_namespace_to_omegaconf(args))
+state = torch.load(Path(save_dir) / "checkpoint_last.pt", weights_only=True)
+gains = [state["model"][f"decoder.layers.{n}.self_attn.query_scales.0.gain"] for n in range(2)]
+assert all(g.shape == (4,) and torch.isfinite(g).all() and not torch.equal(g, torch.full((4,), 3.0)) for g in gains)
+print("toy_gain trained", [g.tolist() for g in gains])
+'''
+
+
+@pytest.mark.slow
+def test_a_method_in_a_module_of_its_own_is_everywhere(data_bin, tmp_path):
+    package = tmp_path / "kerple_fairseq"
+    shutil.copytree(REPO / "kerple_fairseq", package, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "attention" / "methods" / "toy_gain.py").write_text(textwrap.dedent(TOY_METHOD))
+    script = tmp_path / "checks.py"
+    script.write_text(CHECKS)
+    proc = run([sys.executable, script, package, data_bin, tmp_path / "run"], cwd=tmp_path,
+               env={"PYTHONPATH": str(tmp_path), "PATH": ""})
+    assert "toy_gain trained" in proc.stdout
