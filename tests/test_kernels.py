@@ -296,24 +296,25 @@ def test_every_kernel_documents_formula_and_paper_section():
                 assert f.metadata.get("help"), f"{name}: option {f.name} has no help"
 
 
-def test_readme_lists_every_kernel_and_option():
+def test_readme_lists_every_kernel_method_and_option():
+    """A row per kernel and layer bias (by name) and per attention method (each of its command lines, the
+    first cell starting with it), every option of each in the README; the rotary family's by hand."""
     from conftest import REPO
+    from kerple_fairseq.attention.methods import ATTENTION_METHODS, attention_method_option_fields
+    from kerple_fairseq.attention.rotary import ROTARY_SCALINGS
     from kerple_fairseq.kernels import option_fields
-
-    readme = (REPO / "README.md").read_text()
     from kerple_fairseq.layer_biases import LAYER_BIASES, layer_bias_option_fields
 
-    from kerple_fairseq.attention.rotary import ROTARY_SCALINGS
-
+    readme = (REPO / "README.md").read_text()
     scalings = [f"--rotary-scaling {name}" for name in ROTARY_SCALINGS if name != "none"]
-    rules = ["--stick-breaking", "--selective-attention", "--ssmax", "--attn-temperature-tuning"]
-    for name in [*KERNELS, *LAYER_BIASES, "--dape mlp", "--dape conv", "--rotary-xpos", *scalings, *rules]:
+    for name in [*KERNELS, *LAYER_BIASES, "--rotary-xpos", *scalings]:
         assert f"| `{name}` |" in readme, f"README's method table lacks {name}"
-    assert "| `--cope` (`transformer_lm_cope`) |" in readme, "README's method table lacks CoPE"
-    for f in option_fields() + layer_bias_option_fields():
+    for method in ATTENTION_METHODS.values():
+        for flags in method.command_lines().values():
+            assert f"| `{' '.join(flags)}`" in readme, f"README's method table lacks {method.name} ({' '.join(flags)})"
+    for f in option_fields() + layer_bias_option_fields() + attention_method_option_fields():
         flag = "--" + f.name.replace("_", "-")
         assert flag in readme, f"README does not mention {flag}"
-    for flag in ("--dape-width", "--dape-kernel-size", "--cope-max-positions", "--xpos-scale-base",
-                 "--rotary-scaling-length", "--dynamic-ntk-step", "--rerope-window", "--rerope-leak",
-                 "--ssmax-scale-init", "--attn-temperature-floor-scale", "--attn-temperature-scale"):
+    for flag in ("--xpos-scale-base", "--rotary-scaling-length", "--dynamic-ntk-step", "--rerope-window",
+                 "--rerope-leak", "--layer-positions"):
         assert flag in readme, f"README does not mention {flag}"
