@@ -5,8 +5,7 @@ import argparse
 import torch
 
 from kerple_fairseq.experiments.language_models import DictionaryTask, build_model, model_size_flags, parse_model_flags
-from kerple_fairseq.kernels import kernel_names
-from kerple_fairseq.layer_biases import layer_bias_names
+from kerple_fairseq.attention.position_methods import bias_names
 
 VOCAB = 50
 TINY = model_size_flags(layers=2, width=32, heads=4, dropout=0.0)
@@ -36,7 +35,7 @@ def random_tokens(batch=3, length=24, seed=0):
 #: every method FlexAttention serves, by name: (``--bias-kernel``, more flags): each distance kernel
 #: and layer bias, and the rotary family (which acts on queries and keys) over the causal mask
 FLEX_METHODS = {name: (name, ["--attn-window", "9"] if name == "window" else []) for name in
-                sorted(kernel_names() + layer_bias_names())}
+                bias_names()}
 FLEX_METHODS.update({
     "rotary": ("none", ["--rotary-embeddings"]),
     "xpos": ("none", ["--rotary-embeddings", "--rotary-xpos"]),

@@ -14,13 +14,12 @@ import torch
 from fairseq.models.transformer_lm import TransformerLanguageModel
 
 from conftest import REPO, TRAIN_LENGTH, fairseq_cli, run, stock_eval_lm, train_in_process
+from kerple_fairseq.attention.position_methods import bias_names
 from kerple_fairseq.evaluation.loading import load_language_model, token_stream
 from kerple_fairseq.evaluation.scorer import WindowScorer
 from kerple_fairseq.evaluation.spans import early_token_cursed
 from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS, position_encoding
-from kerple_fairseq.kernels import kernel_names
-from kerple_fairseq.layer_biases import layer_bias_names
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +31,7 @@ def every_encoding():
     ReRoPE set in the model), then every other kernel and layer bias on ``transformer_lm_kerple`` (each
     model once), and learned positions."""
     flags = {}
-    for name in [*POSITION_ENCODINGS, *sorted(kernel_names() + layer_bias_names())]:
+    for name in [*POSITION_ENCODINGS, *bias_names()]:
         encoding = position_encoding(name)
         model_flags = encoding.model_flags() + list(encoding.eval_flags) + \
             (["--attn-window", "16"] if name == "window" else [])
