@@ -5,7 +5,7 @@ import argparse
 import torch
 
 from kerple_fairseq.experiments.language_models import DictionaryTask, build_model, model_size_flags, parse_model_flags
-from kerple_fairseq.attention.position_methods import bias_names
+from kerple_fairseq.models.position_methods import bias_names
 
 VOCAB = 50
 TINY = model_size_flags(layers=2, width=32, heads=4, dropout=0.0)

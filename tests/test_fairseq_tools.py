@@ -14,7 +14,7 @@ import torch
 from fairseq.models.transformer_lm import TransformerLanguageModel
 
 from conftest import REPO, TRAIN_LENGTH, fairseq_cli, run, stock_eval_lm, train_in_process
-from kerple_fairseq.attention.position_methods import bias_names
+from kerple_fairseq.models.position_methods import bias_names
 from kerple_fairseq.evaluation.loading import load_language_model, token_stream
 from kerple_fairseq.evaluation.scorer import WindowScorer
 from kerple_fairseq.evaluation.spans import early_token_cursed

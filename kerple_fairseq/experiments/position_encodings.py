@@ -4,7 +4,7 @@ checks it), at the small comparison's size or on ALiBi's WikiText-103 model."""
 
 from typing import List, NamedTuple, Tuple
 
-from kerple_fairseq.attention.position_methods import ATTENTION_METHOD, choices, position_method
+from kerple_fairseq.models.position_methods import ATTENTION_METHOD, choices, position_method
 from kerple_fairseq.errors import KernelConfigError
 
 

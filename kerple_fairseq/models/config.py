@@ -8,7 +8,7 @@ from fairseq.models.transformer_lm import TransformerLanguageModelConfig
 
 from kerple_fairseq.attention.attend import BACKENDS
 from kerple_fairseq.attention.methods import attention_method_option_fields
-from kerple_fairseq.attention.position_methods import bias_names
+from kerple_fairseq.models.position_methods import bias_names
 from kerple_fairseq.attention.rotary import DYNAMIC_NTK_STEP, REROPE_LEAK, ROTARY_SCALINGS
 from kerple_fairseq.kernels import option_fields
 from kerple_fairseq.layer_biases import layer_bias_option_fields

@@ -12,7 +12,7 @@ window (none: global). Every other option is the model's.
 
 from typing import List, NamedTuple, Tuple
 
-from kerple_fairseq.attention.position_methods import ATTENTION_METHOD, position_method
+from kerple_fairseq.models.position_methods import ATTENTION_METHOD, position_method
 from kerple_fairseq.errors import KernelConfigError
 
 ROTARY, NOPE = "rotary", "nope"
