@@ -11,14 +11,17 @@ import re
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from fairseq.models.transformer_lm import TransformerLanguageModel
 
 from conftest import REPO, TRAIN_LENGTH, fairseq_cli, run, stock_eval_lm, train_in_process
+from kerple_fairseq.attention.methods import attention_method_option_fields
+from kerple_fairseq.models.config import KernelBiasedLMConfig
 from kerple_fairseq.models.position_methods import bias_names
 from kerple_fairseq.evaluation.loading import load_language_model, token_stream
 from kerple_fairseq.evaluation.scorer import WindowScorer
 from kerple_fairseq.evaluation.spans import early_token_cursed
-from kerple_fairseq.experiments.language_models import model_size_flags
+from kerple_fairseq.experiments.language_models import model_size_flags, parse_model_flags
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS, position_encoding
 
 pytestmark = pytest.mark.slow
@@ -198,27 +201,46 @@ HYDRA_MODEL = ["model.decoder_layers=2", "model.decoder_embed_dim=32", "model.de
                "model.decoder_attention_heads=4"]
 HYDRA_RUN = ["task.tokens_per_sample=64", "dataset.max_tokens=512", "optimization.max_update=3", "common.cpu=true",
              "common.seed=5", "dataset.num_workers=0", "dataset.disable_validation=true"]
-# each encoding's --arch and flags as the YAML's model keys
-HYDRA_ENCODINGS = {
-    "alibi": ["model.bias_kernel=alibi"],
-    "fox": ["model.bias_kernel=fox"],
-    "dape_kerple_log": ["model.dape=mlp"],
-    "rotary": ["model.bias_kernel=none", "model.rotary_embeddings=true"],
-    "xpos": ["model.bias_kernel=none", "model.rotary_embeddings=true", "model.rotary_xpos=true"],
-    "cope": ["model.bias_kernel=none", "model.cope=true"],
-    "stick_breaking": ["model.bias_kernel=none", "model.stick_breaking=true"],
-    "selective": ["model.bias_kernel=none", "model.selective_attention=true"],
-    "ssmax": ["model.bias_kernel=none", "model.rotary_embeddings=true", "model.ssmax=true"],
-    "sinusoidal": ["model.bias_kernel=none", "model.token_positional_embeddings=true"],
-}
+#: the model options that say how a model encodes position
+POSITION_KEYS = ["bias_kernel", "rotary_embeddings", "rotary_xpos", "token_positional_embeddings", "decoder_learned_pos",
+                 "attn_window", "layer_positions", *(f.name for f in attention_method_option_fields())]
 
 
-@pytest.mark.parametrize("name", list(HYDRA_ENCODINGS))
+def hydra_keys(name):
+    """The YAML's model keys of the comparison's position encoding ``name``: each position option that its
+    flags (its architecture's defaults included) set otherwise than the YAML, or than the option's default
+    for an option the YAML lacks (added with Hydra's ``+``)."""
+    yaml = OmegaConf.load(REPO / "docs" / "hydra" / "kerple_lm.yaml").model
+    args = parse_model_flags(position_encoding(name).model_flags())
+    keys = []
+    for key in POSITION_KEYS:
+        default = KernelBiasedLMConfig.__dataclass_fields__[key].default
+        value = getattr(args, key, default)  # fairseq leaves out the model options not given
+        stated = yaml[key] if key in yaml else default
+        if str(value) != str(stated):
+            keys.append(f"{'' if key in yaml else '+'}model.{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return keys
+
+
+# the comparison's encodings that train a model of their own (every architecture among them)
+HYDRA_ENCODINGS = [name for name, encoding in POSITION_ENCODINGS.items()
+                   if not encoding.eval_flags and name not in ("nope", "t5", "kerple_log", "dape_alibi", "fire")]
+
+
+def test_hydra_keys_are_derived_from_the_table():
+    assert hydra_keys("alibi") == ["model.bias_kernel=alibi"]
+    assert hydra_keys("kerple_log") == []
+    assert hydra_keys("xpos") == ["model.bias_kernel=none", "model.rotary_embeddings=true", "model.rotary_xpos=true"]
+    assert hydra_keys("sinusoidal") == ["model.bias_kernel=none", "model.token_positional_embeddings=true"]
+    assert hydra_keys("dape_kerple_log") == ["model.dape=mlp"]
+
+
+@pytest.mark.parametrize("name", HYDRA_ENCODINGS)
 def test_hydra_config_trains_the_model_fairseq_train_does(data_bin, tmp_path, name):
     """``fairseq-hydra-train`` with ``docs/hydra/kerple_lm.yaml`` gives, update for update, the model that
     fairseq-train gives with the same options (the YAML's, written as flags)."""
     run([fairseq_cli("fairseq-hydra-train"), "--config-dir", REPO / "docs" / "hydra", "--config-name", "kerple_lm",
-         f"task.data={data_bin}", f"common.user_dir={USER_DIR}", *HYDRA_ENCODINGS[name],
+         f"task.data={data_bin}", f"common.user_dir={USER_DIR}", *hydra_keys(name),
          *HYDRA_MODEL, *HYDRA_RUN, f"checkpoint.save_dir={tmp_path / 'hydra'}",
          f"hydra.run.dir={tmp_path / 'hydra-outputs'}"], cwd=tmp_path)
     encoding = position_encoding(name)
