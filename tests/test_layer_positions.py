@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kerple_fairseq.attention.methods.attention_temperature import AttentionTemperature
-from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.analysis.kernel_curves import load_kernel
+from kerple_fairseq.errors import KernelConfigError, UsageError
 
 from conftest import assert_finite_falling_loss, train_in_process
 from helpers import tiny_model
@@ -103,3 +104,6 @@ def test_a_hybrid_trains_through_fairseq_train(data_bin, tmp_path):
     assert_finite_falling_loss(losses, 40, "rotary@16,nope")
     state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=True)
     assert state["cfg"]["model"]["layer_positions"] == "rotary@16,nope"
+    # the kernel analyses say in one line that they do not draw a plan
+    with pytest.raises(UsageError, match=r"each layer its own position encoding \(--layer-positions rotary@16,nope\)"):
+        load_kernel(str(tmp_path / "checkpoint_last.pt"), "hybrid")

@@ -81,6 +81,10 @@ def load_kernel(path: str, label: str, data: Optional[str] = None, split: str = 
         arch = getattr(model_cfg, "_name", None) or getattr(model_cfg, "arch", "unknown")
         raise UsageError(f"{path} is not a kerple_fairseq checkpoint (architecture {arch}); kernel analyses "
                          "need a model trained with --user-dir kerple_fairseq")
+    plan = getattr(model_cfg, "layer_positions", "")
+    if plan:
+        raise UsageError(f"{path} gives each layer its own position encoding (--layer-positions {plan}); the kernel "
+                         "analyses read a model-wide one, so they do not draw it")
     train_length = int(cfg["task"].tokens_per_sample)
     if name in LAYER_BIASES:
         under = load_layer_biases(path, label, state, model_cfg, train_length, data, split)
