@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kerple_fairseq.analysis import figures
-from kerple_fairseq.analysis.cli import panel_title
+from kerple_fairseq.analysis.commands.kernels import panel_title
 
 
 @pytest.fixture
