@@ -1,11 +1,35 @@
-"""The plugin's user-facing errors, reported as one line on the command line."""
+"""The plugin's user-facing errors, reported as one line on the command line.
+
+This module is the package's ground floor: it imports nothing from the package. It holds the
+exception types, their wording, and the machinery that reports an uncaught error or a command-line
+mistake as one line. What an error *is* is known where its subject lives, and registered here:
+
+- :func:`register_one_line_report` adds a recogniser of uncaught errors (besides
+  :class:`KernelConfigError`) that are reported as one line: a refused checkpoint
+  (:func:`kerple_fairseq.evaluation.checkpoint_file.refused_checkpoint_report`), a lost process of a
+  training run (:func:`kerple_fairseq.training.distributed.lost_peer_report`);
+- :func:`register_usage_hint` adds what to say after a command-line error (the missing ``--task`` of
+  the plugin's architectures: :func:`kerple_fairseq.models.transformer_lm_kerple.task_hint`).
+
+:func:`kerple_fairseq.fairseq_changes.apply_all` installs the one-line reports and registers each of
+these, in the order listed there.
+"""
 
 import argparse
 import re
 import sys
-from typing import Optional
+from typing import Callable, List, Optional, Sequence
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+#: recognisers of uncaught errors reported as one line, in order of precedence: each takes an exception
+#: and returns the text to print after ``kerple_fairseq: error: `` if it recognises it, else None; each
+#: is asked of the exception and of those it was raised from or during (see :func:`register_one_line_report`)
+one_line_reports: List[Callable[[BaseException], Optional[str]]] = []
+
+#: what to add to a command-line error's message: each takes the message and the command's arguments
+#: and returns text to append (``""`` for nothing; see :func:`register_usage_hint`)
+usage_hints: List[Callable[[str, Sequence[str]], str]] = []
 
 
 class KernelConfigError(ValueError):
@@ -13,7 +37,7 @@ class KernelConfigError(ValueError):
 
     The message says what is wrong and what to do. Uncaught, it is printed as a
     single ``kerple_fairseq: error: ...`` line (exit status 1) instead of a
-    traceback (see :func:`install_excepthook`).
+    traceback (see :func:`install_one_line_errors`).
     """
 
 
@@ -27,6 +51,30 @@ def first_line(error: BaseException) -> str:
     return lines[0].strip() if lines else type(error).__name__
 
 
+def register_one_line_report(recognise: Callable[[BaseException], Optional[str]]) -> None:
+    """Report the uncaught errors ``recognise`` recognises as one line (after those registered before
+    it; registering it again changes nothing)."""
+    if recognise not in one_line_reports:
+        one_line_reports.append(recognise)
+
+
+def register_usage_hint(hint: Callable[[str, Sequence[str]], str]) -> None:
+    """Append what ``hint`` says to command-line errors (registering it again changes nothing)."""
+    if hint not in usage_hints:
+        usage_hints.append(hint)
+
+
+def option_value(argv: Sequence[str], *names: str) -> Optional[str]:
+    """The value given to the option ``names`` (``--name value`` or ``--name=value``) in ``argv``, if any."""
+    for i, arg in enumerate(argv):
+        for name in names:
+            if arg == name and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+    return None
+
+
 def _in_chain(error: Optional[BaseException], found):
     """The first truthy ``found(e)`` for ``error`` and the exceptions it was raised from or during."""
     seen = set()
@@ -38,37 +86,24 @@ def _in_chain(error: Optional[BaseException], found):
     return None
 
 
-# what a collective reports when another process of the run died or stopped answering (gloo, NCCL)
-_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Timed out waiting|timed out|[Tt]imeout|"
-                        r"NCCL communicator was aborted|Broken pipe")
-
-
-def lost_peer(error: BaseException) -> Optional[str]:
-    """The first line of ``error`` if it is a collective's report of a lost process."""
-    import torch.distributed
-
-    distributed = isinstance(error, getattr(torch.distributed, "DistError", ())) or "gloo" in str(error) or \
-        "NCCL" in str(error) or "c10d" in str(error)
-    if not (distributed and _LOST_PEER.search(str(error))):
-        return None
-    line = re.sub(r"^\[[^\]]*\]\s*", "", first_line(error))  # gloo's [source file:line]
-    return line.split(". ")[0].rstrip(".")
+def one_line_report(error: BaseException) -> Optional[str]:
+    """The one line an uncaught ``error`` is reported as, or None for a traceback: a
+    :class:`KernelConfigError`'s message, else the first registered recogniser's that recognises
+    ``error`` or an exception it was raised from or during."""
+    if isinstance(error, KernelConfigError):
+        return f"kerple_fairseq: error: {error}"
+    for recognise in one_line_reports:
+        report = _in_chain(error, recognise)
+        if report:
+            return f"kerple_fairseq: error: {report}"
+    return None
 
 
 def _one_line_excepthook(previous):
     def hook(exc_type, exc, tb):
-        from kerple_fairseq.evaluation.checkpoint_file import refusal, refused_object
-
-        refused = _in_chain(exc, refused_object)  # by fairseq's own load (--restore-file, checkpoint_last.pt)
-        lost = _in_chain(exc, lost_peer)
-        if issubclass(exc_type, KernelConfigError):
-            print(f"kerple_fairseq: error: {exc}", file=sys.stderr)
-        elif refused:
-            print(f"kerple_fairseq: error: refused to read a checkpoint: {refusal(refused)}", file=sys.stderr)
-        elif lost:
-            print(f"kerple_fairseq: error: another process of this training run died or stopped answering "
-                  f"({lost}); stopping. The same command resumes from checkpoint_last.pt in --save-dir",
-                  file=sys.stderr)
+        report = one_line_report(exc) if isinstance(exc, BaseException) else None
+        if report is not None:
+            print(report, file=sys.stderr)
         else:
             previous(exc_type, exc, tb)
 
@@ -76,39 +111,17 @@ def _one_line_excepthook(previous):
     return hook
 
 
-def _option_value(argv, *names: str):
-    for i, arg in enumerate(argv):
-        for name in names:
-            if arg == name and i + 1 < len(argv):
-                return argv[i + 1]
-            if arg.startswith(name + "="):
-                return arg.split("=", 1)[1]
-    return None
-
-
-def _task_hint(message: str, argv) -> str:
-    """A plugin architecture's language-model options refused because no --task was given: say so."""
-    if "unrecognized arguments" not in message or _option_value(argv, "--task") is not None:
-        return ""
-    from fairseq.models import ARCH_MODEL_NAME_REGISTRY
-    from kerple_fairseq.models.transformer_lm_kerple import MODEL_NAME, language_modeling_task_missing
-
-    arch = _option_value(argv, "--arch", "-a")
-    if ARCH_MODEL_NAME_REGISTRY.get(arch) != MODEL_NAME:
-        return ""
-    return f"; {language_modeling_task_missing(arch, 'translation')}"
-
-
 def _one_line_usage_error(parser: argparse.ArgumentParser, message: str) -> None:
-    hint = _task_hint(message, sys.argv[1:])
+    argv = sys.argv[1:]
+    hint = "".join(hint(message, argv) for hint in usage_hints)
     parser.exit(2, f"{parser.prog}: error: {message}{hint} (options: {parser.prog} --help)\n")
 
 
 def install_one_line_errors() -> None:
-    """Print uncaught :class:`KernelConfigError`, and PyTorch's refusal of a checkpoint that asks for
-    code, as one line, and command-line errors of every parser in
-    the process (fairseq-train's with ``--user-dir kerple_fairseq``, kerple-eval-lm's, kerple-analyze's)
-    as one line, without the usage listing that ``--help`` gives; other errors are untouched."""
+    """Print uncaught :class:`KernelConfigError`, and the errors of :data:`one_line_reports`, as one
+    line, and command-line errors of every parser in the process (fairseq-train's with ``--user-dir
+    kerple_fairseq``, kerple-eval-lm's, kerple-analyze's) as one line with the :data:`usage_hints`,
+    without the usage listing that ``--help`` gives; other errors are untouched."""
     if not getattr(sys.excepthook, "kerple_fairseq", False):
         sys.excepthook = _one_line_excepthook(sys.excepthook)
     argparse.ArgumentParser.error = _one_line_usage_error

@@ -1,25 +1,29 @@
 """Every change the plugin makes to fairseq (and to how its commands end), made once when the plugin
 is imported, so that ``fairseq-train --user-dir kerple_fairseq``, ``fairseq-hydra-train``,
-``fairseq-eval-lm``, ``fairseq-interactive``/``fairseq-generate`` and the hub interface get them:
+``fairseq-eval-lm``, ``fairseq-interactive``/``fairseq-generate`` and the hub interface get them.
 
-- :func:`numpy2_compat`: fairseq 0.12 names ``np.compat.long`` (``--sample-break-mode eos``; translation's
-  bucketing), which NumPy 2 removed: those modules see a NumPy that still has it; and
-  ``TokenBlockDataset`` keeps its block indices in the smallest unsigned dtype, whose arithmetic NumPy 2
-  no longer widens (``e - 2`` of a one-token block wraps around): on NumPy 2 they are kept as int64;
-- :func:`~kerple_fairseq.training.adaptive_loss.install_float32_adaptive_loss`: ``adaptive_loss`` sums its
-  per-token losses in float32 (in fp16 fairseq's sum overflows to ``inf``);
-- :func:`~kerple_fairseq.errors.install_one_line_errors`: usage errors and the plugin's errors end in
-  one line, not a traceback (``ArgumentParser.error``, ``sys.excepthook``);
-- :func:`~kerple_fairseq.evaluation.checkpoint_file.allow_checkpoint_globals`: fairseq's own
-  weights-only checkpoint loads read older checkpoints' ``args`` too;
-- :func:`~kerple_fairseq.training.install_training_fixes`: torchrun and gloo on CPU, bounded waits,
-  whole checkpoints, resuming on other process counts (``call_main``, ``distributed_init``, DDP,
-  ``PathManager``, ``EpochBatchIterator``).
+:data:`CHANGES` lists them, each with why it exists, in the order :func:`apply_all` makes them. Apart
+from registering the plugin's model, architectures and kernels in fairseq's registries (fairseq's own
+way for a plugin), no module of the plugin changes fairseq (or ``argparse``, ``sys.excepthook``) when
+it is imported: each offers the function that makes its change, and only :func:`apply_all` calls it.
+The recognisers of errors reported in one line, and the hints added to command-line errors, live with
+what they know (a checkpoint file, a training run's processes, the model's architectures) and are
+registered with :mod:`kerple_fairseq.errors` in this list too, so that :mod:`kerple_fairseq.errors`
+imports nothing from the package; their order is their precedence (a refused checkpoint before a
+lost process, when one error is both).
 """
 
 import types
+from typing import Callable, NamedTuple
 
 import numpy
+
+from kerple_fairseq.errors import install_one_line_errors, register_one_line_report, register_usage_hint
+from kerple_fairseq.evaluation.checkpoint_file import allow_checkpoint_globals, refused_checkpoint_report
+from kerple_fairseq.models.transformer_lm_kerple import task_hint
+from kerple_fairseq.training.adaptive_loss import install_float32_adaptive_loss
+from kerple_fairseq.training.distributed import install_distributed, lost_peer_report
+from kerple_fairseq.training.resume import install_resume
 
 #: fairseq's modules that name ``np.compat`` (fairseq 0.12.2 and fairseq-fixed 0.12.3.1)
 NUMPY_COMPAT_USERS = ("fairseq.data.token_block_dataset", "fairseq.data.language_pair_dataset")
@@ -64,14 +68,57 @@ def _signed_block_indices(init):
     return __init__
 
 
-def apply_all() -> None:
-    from kerple_fairseq.errors import install_one_line_errors
-    from kerple_fairseq.evaluation.checkpoint_file import allow_checkpoint_globals
-    from kerple_fairseq.training import install_training_fixes
-    from kerple_fairseq.training.adaptive_loss import install_float32_adaptive_loss
+def report_refused_checkpoints_in_one_line() -> None:
+    register_one_line_report(refused_checkpoint_report)
 
-    numpy2_compat()
-    install_float32_adaptive_loss()
-    install_one_line_errors()
-    allow_checkpoint_globals()
-    install_training_fixes()
+
+def report_lost_processes_in_one_line() -> None:
+    register_one_line_report(lost_peer_report)
+
+
+def hint_the_missing_task() -> None:
+    register_usage_hint(task_hint)
+
+
+class Change(NamedTuple):
+    make: Callable[[], None]  # makes the change (again: nothing more changes)
+    why: str
+
+
+CHANGES = (
+    Change(numpy2_compat,
+           "fairseq 0.12 names np.compat.long (--sample-break-mode eos, translation's bucketing), which NumPy 2 "
+           "removed, and its TokenBlockDataset counts on NumPy 1 widening unsigned block indices (on NumPy 2 a "
+           "one-token block's past target wrapped around)"),
+    Change(install_float32_adaptive_loss,
+           "fairseq sums adaptive_loss's per-token losses in the model's dtype: in fp16 the recipe's batches "
+           "overflow it and every logged loss is inf"),
+    Change(install_one_line_errors,
+           "a traceback, or argparse's whole usage listing, buries the line that says what to change: usage "
+           "errors and the plugin's errors end in that one line (ArgumentParser.error, sys.excepthook)"),
+    Change(report_refused_checkpoints_in_one_line,
+           "fairseq's own loads (--restore-file, checkpoint_last.pt) refuse a checkpoint that asks for code "
+           "with a pickle traceback: one line says why nothing was read and what to give instead"),
+    Change(report_lost_processes_in_one_line,
+           "when a process of a training run dies, the others' collectives fail with tracebacks that hide "
+           "it: one line says a process was lost and that the same command resumes"),
+    Change(hint_the_missing_task,
+           "without --task, fairseq-train's default task (translation) refuses the plugin architectures' "
+           "options as unrecognized arguments: the error says to add --task language_modeling"),
+    Change(allow_checkpoint_globals,
+           "fairseq's own weights-only loads (fairseq-eval-lm, --restore-file, the hub interface) refused "
+           "older checkpoints, whose args is an argparse.Namespace and whose metrics hold NumPy scalars"),
+    Change(install_distributed,
+           "fairseq 0.12 ignored torchrun's variables on CPU, asked for NCCL without GPUs, gave DDP a GPU for "
+           "a model on CPU, and let a collective wait 30 minutes for a dead process (training/distributed.py)"),
+    Change(install_resume,
+           "fairseq 0.12 left a truncated checkpoint_last.pt when killed during its copy, could not send the "
+           "checkpoint to processes that read it weights-only, and could not resume on another number of "
+           "processes (training/resume.py)"),
+)
+
+
+def apply_all() -> None:
+    """Make every change of :data:`CHANGES`, in order (again: nothing more changes)."""
+    for change in CHANGES:
+        change.make()

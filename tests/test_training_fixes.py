@@ -22,10 +22,11 @@ from fairseq.distributed import utils as distributed_utils
 from omegaconf import OmegaConf
 from torch.distributed import distributed_c10d
 
-from kerple_fairseq.errors import KernelConfigError, lost_peer
+from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.experiments import recipe
 from kerple_fairseq.experiments.recipe import free_port
 from kerple_fairseq.training import distributed, install_training_fixes, resume
+from kerple_fairseq.training.distributed import lost_peer
 
 from conftest import REPO, run
 

@@ -70,6 +70,14 @@ def refusal(named: str) -> str:
             f"trust ({_SEE_DOCS})")
 
 
+def refused_checkpoint_report(error: BaseException) -> Optional[str]:
+    """The one-line report of ``error`` if it is a weights-only load's refusal of a checkpoint (by
+    fairseq's own load: ``--restore-file``, ``checkpoint_last.pt``); registered with
+    :func:`kerple_fairseq.errors.register_one_line_report` by :mod:`kerple_fairseq.fairseq_changes`."""
+    named = refused_object(error)
+    return f"refused to read a checkpoint: {refusal(named)}" if named else None
+
+
 def read_checkpoint(path: str):
     """What ``path`` holds, rebuilt from tensors, plain values and :data:`CHECKPOINT_GLOBALS` only;
     a one-line :class:`UsageError` for a file that needs anything else or is not a PyTorch file."""

@@ -1,6 +1,6 @@
 """``transformer_lm`` with pluggable attention-bias kernels, and its architectures."""
 
-from fairseq.models import register_model, register_model_architecture
+from fairseq.models import ARCH_MODEL_NAME_REGISTRY, register_model, register_model_architecture
 from fairseq.models import transformer_lm
 from fairseq.models.transformer_lm import (
     TransformerLanguageModel,
@@ -9,7 +9,7 @@ from fairseq.models.transformer_lm import (
 )
 from fairseq.utils import safe_getattr
 
-from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.errors import KernelConfigError, option_value
 from kerple_fairseq.kernels import KERNELS
 from kerple_fairseq.layer_biases import LAYER_BIASES
 from kerple_fairseq.models.config import KernelBiasedLMConfig
@@ -23,6 +23,18 @@ def language_modeling_task_missing(arch: str, task: str) -> str:
     """What to say when the plugin's architecture ``arch`` is given without a language-modelling task."""
     return (f"--arch {arch} is a language model, but the task is {task} (fairseq's default when --task is not "
             "given): add --task language_modeling")
+
+
+def task_hint(message: str, argv) -> str:
+    """A plugin architecture's language-model options refused because no --task was given: say so
+    (appended to the command-line error ``message``; registered with
+    :func:`kerple_fairseq.errors.register_usage_hint` by :mod:`kerple_fairseq.fairseq_changes`)."""
+    if "unrecognized arguments" not in message or option_value(argv, "--task") is not None:
+        return ""
+    arch = option_value(argv, "--arch", "-a")
+    if ARCH_MODEL_NAME_REGISTRY.get(arch) != MODEL_NAME:
+        return ""
+    return f"; {language_modeling_task_missing(arch, 'translation')}"
 
 
 def check_task(args) -> None:

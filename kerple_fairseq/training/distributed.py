@@ -15,10 +15,17 @@
   its device even for a model on CPU, which it refuses; on CPU it is now given no device.
 - **Fully sharded data parallel** (``--ddp-backend fully_sharded``) needs fairscale and CUDA: without
   either it is refused in one line before any process starts.
+- **A lost process.** A collective's report that another process died or stopped answering (gloo's
+  ``Connection reset by peer``, a timeout) ends the run in one line that says how to resume
+  (:func:`lost_peer_report`, registered with :mod:`kerple_fairseq.errors`), not in a traceback.
+
+Nothing here changes fairseq when imported: :func:`install_distributed` does, called by
+:func:`kerple_fairseq.fairseq_changes.apply_all`.
 """
 
 import logging
 import os
+import re
 from datetime import timedelta
 from typing import Optional, Tuple
 
@@ -28,7 +35,7 @@ from fairseq.models import distributed_fairseq_model
 from torch.distributed import distributed_c10d
 from torch.nn.parallel import DistributedDataParallel
 
-from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.errors import KernelConfigError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +126,32 @@ class DeviceAwareDistributedDataParallel(DistributedDataParallel):
         if all(p.device.type == "cpu" for p in module.parameters()):
             device_ids = output_device = None
         super().__init__(module, device_ids=device_ids, output_device=output_device, **kwargs)
+
+
+# what a collective reports when another process of the run died or stopped answering (gloo, NCCL)
+_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Timed out waiting|timed out|[Tt]imeout|"
+                        r"NCCL communicator was aborted|Broken pipe")
+
+
+def lost_peer(error: BaseException) -> Optional[str]:
+    """The first line of ``error`` if it is a collective's report of a lost process."""
+    distributed = isinstance(error, getattr(torch.distributed, "DistError", ())) or "gloo" in str(error) or \
+        "NCCL" in str(error) or "c10d" in str(error)
+    if not (distributed and _LOST_PEER.search(str(error))):
+        return None
+    line = re.sub(r"^\[[^\]]*\]\s*", "", first_line(error))  # gloo's [source file:line]
+    return line.split(". ")[0].rstrip(".")
+
+
+def lost_peer_report(error: BaseException) -> Optional[str]:
+    """The one-line report of ``error`` if it is a collective's report of a lost process (a process
+    killed, or blocked past ``--heartbeat-timeout``): say how to resume; registered with
+    :func:`kerple_fairseq.errors.register_one_line_report` by :mod:`kerple_fairseq.fairseq_changes`."""
+    lost = lost_peer(error)
+    if not lost:
+        return None
+    return (f"another process of this training run died or stopped answering ({lost}); stopping. "
+            "The same command resumes from checkpoint_last.pt in --save-dir")
 
 
 def install_distributed() -> None:
