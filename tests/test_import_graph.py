@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 #: above. A module's floor is the first name under the package (kerple_fairseq.attention.methods.cope is
 #: on ``attention``'s); ``__init__`` is the package's own kerple_fairseq/__init__.py.
 FLOORS = [
-    ("errors", "quiet"),  # exception types and their wording; the libraries' notices
+    ("errors", "quiet", "precision"),  # error types and wording; library notices; the precision computed in
     ("kernels",),  # the distance kernels
     ("attention",),  # attention with a positional bias (of kernels), and the attention methods
     ("layer_biases",),  # the biases an attention layer builds for itself, block by block (attention.blocks);

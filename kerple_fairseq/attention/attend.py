@@ -49,6 +49,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from kerple_fairseq.attention import flex, kernel_gradient
 from kerple_fairseq.attention.blocks import QueryBlock
 from kerple_fairseq.attention.distance_bias import DistanceBlockBias
+from kerple_fairseq.precision import precise
 
 #: ``transform(q, scores, bias)``: the logits from the block's queries, scores and bias (DAPE, CoPE)
 ScoreTransform = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -152,7 +153,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: DistanceBlockBias, *, preferen
     else:
         # in float32 for half-precision scores (as fairseq does), in float64 for float64 ones
         probabilities = torch.softmax(scores, dim=-1,
-                                      dtype=torch.float64 if scores.dtype == torch.float64 else torch.float32)
+                                      dtype=precise(scores.dtype))
     if key_padding_mask is not None:
         # a padded query whose window holds only padding sees no key: it attends to nothing (as in
         # FlexAttention) rather than spreading NaN through the padded values into later layers

@@ -20,6 +20,7 @@ from kerple_fairseq.attention import flex
 from kerple_fairseq.attention.blocks import QueryBlock
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels import BiasKernel
+from kerple_fairseq.precision import precise
 
 TOEPLITZ_ROWS_AT_ONCE = 16  # rows of a non-square block laid out per copy (bounds the temporary)
 FROZEN_CACHE_SIZE = 2  # results kept per kind while the parameters are frozen
@@ -248,12 +249,12 @@ class DistanceBlockBias:
     def score_mod(self, dtype: torch.dtype, device) -> flex.ScoreMod:
         """FlexAttention's score modification: the per-distance values in float32 (float64 for a
         float64 ``dtype``), read at the block's distances."""
-        precise = torch.float64 if dtype == torch.float64 else torch.float32
+        computed = precise(dtype)
         offset = torch.full((1,), self.block.offset, dtype=torch.int64, device=device)
-        values = self.distance_values("bias", precise, device)
+        values = self.distance_values("bias", computed, device)
         if not self.has_weight:
             return flex.distance_bias(values, offset)
-        return flex.weighted_distance_bias(values, self.distance_values("weight", precise, device), offset)
+        return flex.weighted_distance_bias(values, self.distance_values("weight", computed, device), offset)
 
     def block_mask(self, device, key_padding_mask: Optional[Tensor] = None):
         """FlexAttention's block mask of the block: causality, any window and padded keys."""

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from kerple_fairseq.attention import flex
 from kerple_fairseq.attention.distance_bias import DistanceBlockBias
+from kerple_fairseq.precision import precise
 
 
 class LayerBlockBias:
@@ -44,9 +45,9 @@ class LayerBlockBias:
     def mask(self, dtype: torch.dtype, device) -> Tensor:
         """``[heads, queries, keys]`` or ``[batch, heads, queries, keys]``: both biases, ``-inf``
         for keys a query may not see."""
-        precise = torch.float64 if dtype == torch.float64 else torch.float32
+        computed = precise(dtype)
         layer = self.layer_bias.block_bias(self.block, self.first_position, self.state)
-        return (self.base.mask(precise, device) + layer).to(dtype)
+        return (self.base.mask(computed, device) + layer).to(dtype)
 
     def score_mod(self, dtype: torch.dtype, device) -> flex.ScoreMod:
         return flex.plus(self.base.score_mod(dtype, device),

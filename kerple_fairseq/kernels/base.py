@@ -6,6 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.precision import precise
 
 
 def per_head_column(values: Sequence[float], dtype: torch.dtype, device) -> Tensor:
@@ -55,7 +56,7 @@ class BiasKernel(nn.Module):
 
     def compute_dtype(self) -> torch.dtype:
         """float32, or float64 when the kernel was asked for float64 (``.double()``, gradient checks)."""
-        return torch.float64 if self.precision.dtype == torch.float64 else torch.float32
+        return precise(self.precision.dtype)
 
     def forward(self, distance: Tensor) -> Tensor:
         raise NotImplementedError

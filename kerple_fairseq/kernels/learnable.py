@@ -15,6 +15,7 @@ from kerple_fairseq.kernels.constraints import (
     check_floor,
     parameterization,
 )
+from kerple_fairseq.precision import precise
 
 #: the largest power a distance may be raised to (KERPLE Fact 5: beyond 2 the kernel is not CPD)
 MAX_POWER = 2.0
@@ -72,7 +73,7 @@ class LearnableKernel(BiasKernel):
                 # a softplus checkpoint (the only kind before --kernel-parameterization existed):
                 # its effective values, computed as its forward computed them
                 stored = state_dict.pop(raw)
-                dtype = torch.float64 if stored.dtype == torch.float64 else torch.float32
+                dtype = precise(stored.dtype)
                 state_dict[plain] = Softplus.effective(stored.to(dtype), self.floor, high)
             elif self.parameterization is Softplus and plain in state_dict and raw not in state_dict:
                 raise KernelConfigError(

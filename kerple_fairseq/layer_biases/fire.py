@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from kerple_fairseq.attention.blocks import QueryBlock
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.layer_biases.base import LayerBias, register_layer_bias
+from kerple_fairseq.precision import precise
 
 #: blocks kept while the parameters are frozen, and the largest kept (one block of 1024 queries and keys)
 FROZEN_BLOCKS = 2
@@ -114,7 +115,7 @@ class FireBias(LayerBias):
     def score_term(self, block: QueryBlock, first_position: int, state: Optional[Tensor]):
         """The bias of one cell from its query's position and distance: the MLP of one input, its
         hidden units summed one by one."""
-        dtype = torch.float64 if self.c.dtype == torch.float64 else torch.float32
+        dtype = precise(self.c.dtype)
         c = self.c.to(dtype).abs().reshape(1)
         threshold = self.threshold().to(dtype).reshape(1)
         hidden_weight, hidden_bias = self.hidden.weight.to(dtype).reshape(-1), self.hidden.bias.to(dtype)
@@ -136,7 +137,7 @@ class FireBias(LayerBias):
 
     def _block_bias(self, block: QueryBlock, first_position: int) -> Tensor:
         # float32 (float64 for a float64 module), whatever the model's dtype
-        dtype = torch.float64 if self.c.dtype == torch.float64 else torch.float32
+        dtype = precise(self.c.dtype)
         t = torch.arange(block.num_queries, device=self.c.device, dtype=dtype)
         s = torch.arange(block.num_keys, device=self.c.device, dtype=dtype)
         query_positions = first_position + block.query_start + t

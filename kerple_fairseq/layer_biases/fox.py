@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from kerple_fairseq.attention.blocks import QueryBlock
 from kerple_fairseq.layer_biases.base import LayerBias, register_layer_bias
+from kerple_fairseq.precision import precise
 
 #: standard deviation of the gate projection's initial weights (the reference's initializer_range)
 GATE_INIT_STD = 0.02
@@ -38,7 +39,7 @@ class ForgetGates(LayerBias):
 
     def key_state(self, x: Tensor, previous: Optional[Tensor]) -> Tensor:
         logits = self.gate_logits(x)
-        log_forget = F.logsigmoid(logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32))
+        log_forget = F.logsigmoid(logits.to(precise(logits.dtype)))
         state = torch.cumsum(log_forget, dim=-1)
         return state if previous is None else state + previous[..., -1:]
 

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from fairseq import utils
 from fairseq.criterions.adaptive_loss import AdaptiveLoss
 
+from kerple_fairseq.precision import precise
+
 
 def summed_in_float32(self, model, sample, reduce=True):
     """The summed loss of ``sample`` over the adaptive softmax's head and tail clusters, in float32
@@ -24,7 +26,7 @@ def summed_in_float32(self, model, sample, reduce=True):
     net_output = model(**sample["net_input"])
     target = model.get_targets(sample, net_output)
     logits, cluster_targets = adaptive_softmax(net_output[0], target.reshape(-1))
-    dtype = torch.float64 if net_output[0].dtype == torch.float64 else torch.float32
+    dtype = precise(net_output[0].dtype)
     loss = torch.zeros((), dtype=dtype, device=target.device)
     for cluster_logits, cluster_target in zip(logits, cluster_targets):
         if cluster_target is not None:

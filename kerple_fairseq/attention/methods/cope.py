@@ -8,6 +8,7 @@ from torch import Tensor, nn
 
 from kerple_fairseq.attention.methods.base import SCORES, AttentionMethod, register_attention_method
 from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.precision import precise
 
 
 @dataclass
@@ -65,7 +66,7 @@ class ContextualPositions(AttentionMethod):
 
     def positions(self, scores: Tensor, bias: Tensor) -> Tensor:
         """``p`` ``[batch, H, T, S]`` of the scaled ``scores`` under ``bias``: float32, float64 for float64 scores."""
-        dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+        dtype = precise(scores.dtype)
         gates = torch.sigmoid(scores.to(dtype)).masked_fill(~torch.isfinite(bias), 0.0)
         counts = gates.flip(-1).cumsum(-1).flip(-1)
         return counts.clamp(max=self.max_positions - 1)

@@ -17,13 +17,13 @@ precision: ``F`` grows with the number of queries.
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from kerple_fairseq.attention.blocks import QueryBlock, diagonal
 from kerple_fairseq.attention.methods.base import (SCORES, AttentionMethod, CallTransforms,
                                                    register_attention_method)
+from kerple_fairseq.precision import precise
 
 
 @dataclass
@@ -48,7 +48,7 @@ class SelectiveAttention(AttentionMethod):
 
     def new_key_state(self, q: Tensor) -> Tensor:
         """Zeros ``[batch, new keys]``: no query has selected a new key yet."""
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dtype = precise(q.dtype)
         return q.new_zeros(q.size(0), q.size(2), dtype=dtype)
 
     def call_transforms(self, state: Optional[Tensor], first_key_position: int) -> "SelectionSums":
@@ -72,7 +72,7 @@ class SelectionSums(CallTransforms):
         """The score transform ``(q, scores, mask) -> logits`` of ``block``: ``scores + mask - F``."""
 
         def selective_logits(q: Tensor, scores: Tensor, mask: Tensor) -> Tensor:
-            dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+            dtype = precise(scores.dtype)
             logits = scores.to(dtype) + mask.to(dtype)
             selection = F.relu(logits[:, 0])  # [B, T, S]; hidden keys (-inf) select nothing
             never = diagonal(block, logits.device)

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from kerple_fairseq.attention.blocks import QueryBlock, diagonal
 from kerple_fairseq.attention.methods.base import WEIGHTS, AttentionMethod, register_attention_method
+from kerple_fairseq.precision import precise
 
 
 @dataclass
@@ -56,7 +57,7 @@ def stick_breaking_weights(logits: Tensor, block: QueryBlock) -> Tensor:
     """The weights ``[..., queries, keys]`` of a block from its logits ``z`` (``-inf`` at hidden
     keys): ``A_ij`` off the diagonal and the remainder ``r_i`` on it, in float32 (float64 for
     float64 logits)."""
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    dtype = precise(logits.dtype)
     own = diagonal(block, logits.device)
     z = logits.to(dtype).masked_fill(own, float("-inf"))
     log_kept = F.logsigmoid(-z)  # log(1 - b_ik); 0 at hidden keys and the diagonal
