@@ -71,6 +71,12 @@ def test_the_plan_changes_what_the_model_computes():
     assert (log_probs(model, tokens) - log_probs(everywhere, tokens)).abs().max() > 1e-3
 
 
+def test_the_rotary_options_serve_the_plan_s_rotary_layers():
+    model = tiny_model("none", "--layer-positions", "rotary,nope", "--rotary-xpos")
+    assert [layer.self_attn.setup.rotary is not None and layer.self_attn.setup.rotary.xpos
+            for layer in model.decoder.layers] == [True, False]
+
+
 def test_decoding_blocks_and_beams_of_a_hybrid_equal_full_scoring():
     torch.manual_seed(0)
     model = hybrid().double().eval()
@@ -91,7 +97,13 @@ def test_decoding_blocks_and_beams_of_a_hybrid_equal_full_scoring():
     ("rotray", [], "unknown position method 'rotray'; choose one of the bias kernels: alibi"),
     ("rotary", ["--rotary-embeddings"], "--layer-positions names each layer's encoding and window: drop "
                                         "--rotary-embeddings"),
+    ("rotary", ["--attn-window", "4"], "drop --attn-window"),
     ("dape+cope", [], "--cope and --dape each rewrite the attention logits; choose one"),
+    ("alibi,nope", ["--token-positional-embeddings"], "--bias-kernel alibi already encodes position, but token "
+                                                      "positional embeddings are on"),
+    ("nope,rotary", ["--token-positional-embeddings"], "--token-positional-embeddings and --rotary-embeddings are "
+                                                       "two position encodings"),
+    ("nope", ["--rotary-xpos"], "--rotary-xpos changes rotary embeddings"),
 ])
 def test_bad_plans_are_one_line_errors(plan, flags, message):
     with pytest.raises(KernelConfigError, match=message.replace("+", r"\+").replace("(", r"\(").replace(")", r"\)")):

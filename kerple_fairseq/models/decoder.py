@@ -44,11 +44,6 @@ def attention_setups(args) -> List[AttentionSetup]:
     plan = layer_plan(safe_getattr(args, "layer_positions", ""), args.decoder_layers)
     if not plan:
         return [attention_setup(args)] * args.decoder_layers
-    for flag, value in (("--rotary-embeddings", safe_getattr(args, "rotary_embeddings", False)),
-                        ("--attn-window", safe_getattr(args, "attn_window", 0))):
-        if value:
-            raise KernelConfigError(f"--layer-positions names each layer's encoding and window: drop {flag} "
-                                    "(write rotary, or @WINDOW, in the plan's entries)")
     kernels, setups = {}, {}
     for entry in plan:
         if entry not in setups:

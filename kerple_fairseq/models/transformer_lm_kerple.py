@@ -14,6 +14,7 @@ from kerple_fairseq.kernels import KERNELS
 from kerple_fairseq.layer_biases import LAYER_BIASES
 from kerple_fairseq.models.config import KernelBiasedLMConfig
 from kerple_fairseq.models.decoder import KernelBiasedDecoder, replaced
+from kerple_fairseq.models.position_plan import parse_plan
 
 # the model; its architectures below are what --arch names
 MODEL_NAME = "kerple_lm"
@@ -46,27 +47,38 @@ def check_task(args) -> None:
 
 
 def check_positions(args) -> None:
-    """One source of position: a distance-encoding kernel, or token positions, or rotary."""
+    """One source of position: a distance-encoding kernel, or token positions, or rotary; with
+    ``--layer-positions``, each layer's from its entry (checked by
+    :func:`~kerple_fairseq.models.position_plan.parse_entry`), the model-wide ones left out."""
     token_positions = not args.no_token_positional_embeddings
+    plan = parse_plan(safe_getattr(args, "layer_positions", ""))
+    if plan:
+        for flag, value in (("--rotary-embeddings", args.rotary_embeddings), ("--attn-window", args.attn_window)):
+            if value:
+                raise KernelConfigError(f"--layer-positions names each layer's encoding and window: drop {flag} "
+                                        "(write rotary, or @WINDOW, in the plan's entries; --arch "
+                                        "transformer_lm_kerple has neither on)")
+    rotary = any(entry.rotary for entry in plan) if plan else args.rotary_embeddings
     for flag, on in (("--rotary-xpos", safe_getattr(args, "rotary_xpos", False)),
                      ("--rotary-scaling", safe_getattr(args, "rotary_scaling", "none") != "none")):
-        if on and not args.rotary_embeddings:
+        if on and not rotary:
             raise KernelConfigError(f"{flag} changes rotary embeddings: add --rotary-embeddings "
                                     "(or use --arch transformer_lm_rotary)")
-    if token_positions and args.rotary_embeddings:
+    if token_positions and rotary:
         raise KernelConfigError(
             "--token-positional-embeddings and --rotary-embeddings are two position encodings; "
             "choose one")
-    method = KERNELS.get(args.bias_kernel) or LAYER_BIASES[args.bias_kernel]
-    if method.encodes_position and (token_positions or args.rotary_embeddings):
-        which = "rotary embeddings" if args.rotary_embeddings else "token positional embeddings"
-        flag = "--rotary-embeddings" if args.rotary_embeddings else \
-            "--token-positional-embeddings (on in the transformer_lm_sinusoidal and transformer_lm_learned_pos " \
-            "architectures: train a kernel on transformer_lm_kerple)"
-        raise KernelConfigError(
-            f"--bias-kernel {args.bias_kernel} already encodes position, but {which} are on as "
-            f"well; drop {flag}, or use --bias-kernel none (or window) for a positional baseline"
-        )
+    for bias in [entry.bias for entry in plan] or [args.bias_kernel]:
+        method = KERNELS.get(bias) or LAYER_BIASES[bias]
+        if method.encodes_position and (token_positions or (args.rotary_embeddings and not plan)):
+            which = "rotary embeddings" if args.rotary_embeddings else "token positional embeddings"
+            flag = "--rotary-embeddings" if args.rotary_embeddings else \
+                "--token-positional-embeddings (on in the transformer_lm_sinusoidal and transformer_lm_learned_pos " \
+                "architectures: train a kernel on transformer_lm_kerple)"
+            raise KernelConfigError(
+                f"--bias-kernel {bias} already encodes position, but {which} are on as "
+                f"well; drop {flag}, or use --bias-kernel none (or window) for a positional baseline"
+            )
 
 
 @register_model(MODEL_NAME, dataclass=KernelBiasedLMConfig)
