@@ -186,7 +186,8 @@ def lengths_markdown(board: Leaderboard) -> str:
 
 def csv_rows(board: Leaderboard) -> Tuple[List[str], List[list]]:
     """A row per model, protocol and length: mean, sd, each seed's perplexity, ranks there, and for each
-    reference the seeds' differences, intervals and verdict (``;``-separated by seed)."""
+    reference the seeds' differences, intervals and verdict (``;``-separated by seed). The intervals, bootstrap
+    percentiles whose last digits differ from one NumPy to another, are written to 10 significant digits."""
     header = ["model", "label", "family", "protocol", "length", "mean", "sd", "ppl_by_seed", "rank", "reference",
               "difference_by_seed", "interval_by_seed", "verdict"]
     rows = []
@@ -200,5 +201,5 @@ def csv_rows(board: Leaderboard) -> Tuple[List[str], List[list]]:
                 rows.append(common + ["", "", "", ""])
                 for v in board.against(e.name, protocol, n):
                     rows.append(common + [v.reference, ";".join(map(repr, v.difference)),
-                                          ";".join(f"{low!r}/{high!r}" for low, high in v.interval), v.verdict])
+                                          ";".join(f"{low:.10g}/{high:.10g}" for low, high in v.interval), v.verdict])
     return header, rows
