@@ -12,7 +12,7 @@ from kerple_fairseq.attention.attend import AttentionRecord, attend
 from kerple_fairseq.attention.blocks import effective_block_size, query_blocks
 from kerple_fairseq.attention.distance_bias import DistanceBias, DistanceBlockBias
 from kerple_fairseq.attention.layer_bias import LayerBlockBias
-from kerple_fairseq.attention.methods import QUERIES, SCORES, WEIGHTS, AttentionMethod, CallTransforms
+from kerple_fairseq.attention.methods import QUERIES, SCORES, WEIGHTS, AttentionMethod
 from kerple_fairseq.attention.rotary import RotaryEmbedding
 
 
@@ -117,21 +117,13 @@ class BiasedSelfAttention(MultiheadAttention):
         q, k = self._position(q, k, first_position)
         k, v, key_padding_mask, states = self._with_cache(incremental_state is not None, saved, query, q, k, v,
                                                            key_padding_mask)
-        keep_logits = self.record is not None and self.record.keep_logits
-        need_probabilities = need_weights or need_head_weights or keep_logits
-        transforms = None if self.score_transform is None else self.score_transform.call_transforms(
-            states.get(self.score_transform.cached_state), first_position + num_queries - k.size(2))
+        need_probabilities = need_weights or need_head_weights
         attended, probabilities = self._attend_block_by_block(q, k, v, key_padding_mask, need_probabilities,
-                                                              first_position, states.get("prev_bias_state"), transforms)
+                                                              first_position, states)
         if incremental_state is not None:
-            if transforms is not None and transforms.state is not None:
-                states[self.score_transform.cached_state] = transforms.state  # after this call's queries
             self._write_cache(incremental_state, saved, k, v, key_padding_mask, first_position + num_queries, states)
-        if keep_logits:
-            self.record.probabilities.append(probabilities)
         out = self.out_proj(attended.permute(2, 0, 1, 3).reshape(num_queries, batch, embed_dim))
-        return out, self._returned_weights(probabilities, need_head_weights) if need_weights or need_head_weights \
-            else None
+        return out, self._returned_weights(probabilities, need_head_weights) if need_probabilities else None
 
     def _project(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """Queries (scaled by ``1/sqrt(head_dim)``), keys and values, ``[B, H, T, head_dim]``."""
@@ -231,16 +223,20 @@ class BiasedSelfAttention(MultiheadAttention):
         return torch.cat(laid_out, dim=2)
 
     def _attend_block_by_block(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
-                               need_probabilities: bool, first_position: int, bias_state: Optional[Tensor],
-                               transforms: Optional[CallTransforms]):
+                               need_probabilities: bool, first_position: int, states: Dict[str, Tensor]):
         """Each block's queries against its keys, in order (with probabilities, blocks of whole rows); the
         attended values ``[B, H, T, D]`` and, with ``need_probabilities``, the probabilities laid out over
-        every key ``[B, H, T, S]``."""
+        every key ``[B, H, T, S]``. ``states``: the per-key states of every key; the logits' method's is
+        replaced by its state after the call's queries."""
         num_keys = k.size(2)
-        biases = self._block_biases(q.size(2), num_keys, need_probabilities, first_position, bias_state)
-        dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
         record = self.record
         keep_logits = record is not None and record.keep_logits
+        whole_rows = need_probabilities or keep_logits
+        biases = self._block_biases(q.size(2), num_keys, whole_rows, first_position, states.get("prev_bias_state"))
+        dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
+        method = self.score_transform
+        transforms = None if method is None else method.call_transforms(
+            states.get(method.cached_state), first_position + q.size(2) - num_keys)
         weights = None if self.attention_weights is None else self.attention_weights.weights
         pieces, probabilities = [], []
         for bias in biases:
@@ -250,17 +246,20 @@ class BiasedSelfAttention(MultiheadAttention):
             attended, block_probabilities = attend(
                 q_block, k_block, v[:, :, keys], bias, preference="explicit" if keep_logits else self.setup.backend,
                 dropout=dropout, key_padding_mask=None if key_padding_mask is None else key_padding_mask[:, keys],
-                need_probabilities=need_probabilities,
+                need_probabilities=whole_rows,
                 score_transform=transforms.transform(block) if transforms is not None else rotary_transform,
                 weights=weights, record=record)
             pieces.append(attended)
             probabilities.append(block_probabilities)
+        if transforms is not None and transforms.state is not None:
+            states[method.cached_state] = transforms.state
+        rows = self._whole_rows(biases, probabilities, num_keys, 0.0) if whole_rows else None
         if keep_logits:
             block_logits = record.logits[-len(biases):]
             del record.logits[-len(biases):]
             record.logits.append(self._whole_rows(biases, block_logits, num_keys, float("-inf")))
-        rows = self._whole_rows(biases, probabilities, num_keys, 0.0) if need_probabilities else None
-        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)), rows
+            record.probabilities.append(rows)
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)), rows if need_probabilities else None
 
     def reorder_incremental_state(self, incremental_state, new_order: Tensor):
         """Beam search: the cached tensors follow ``new_order``; the position is every row's."""
