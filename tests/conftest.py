@@ -1,12 +1,16 @@
 """Shared fixtures: a small data-bin built from the real WikiText-103 sample in ../shared, and tiny
 models trained on it."""
 
+import functools
 import json
 import logging
 import math
+import os
 import re
+import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,6 +37,85 @@ def pytest_configure(config):
                             "deselect with -m 'not slow'")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; scripts/gpu-check.sh runs this tier (-m cuda)")
     config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist's --dist loadgroup runs in one worker")
+    if WORKER:
+        _share_the_cpus(config)
+
+
+# -------------------------------------------------------------------------------- pytest-xdist
+# scripts/run-tests.sh runs the suite in pytest-xdist workers (-n 2 --dist loadgroup). A worker is a
+# process of its own: a session fixture runs once per worker, a module fixture once per worker that
+# runs a test of its module. So the session fixtures that train or preprocess build once for all
+# workers (built_once), the tests of a module with a module fixture run in one worker
+# (pytest_xdist_make_scheduler), and the workers share the CPUs rather than each taking all of them.
+# Without pytest-xdist all of this is as before.
+
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", ...; None outside pytest-xdist's workers
+
+
+def _share_the_cpus(config):
+    """Each worker's share of the CPUs as torch's thread count here and OpenMP's in the processes the
+    tests start (unless OMP_NUM_THREADS is set): two workers with a thread per CPU each would
+    oversubscribe them."""
+    import torch
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    threads = int(os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpus // workers))))
+    torch.set_num_threads(threads)
+
+
+def built_once(tmp_path_factory, name, build):
+    """``(folder, value)``: ``value = build(folder)`` run once into a new, empty ``folder``. In
+    pytest-xdist's workers, once for them all: the first worker to ask builds it under a file lock in
+    a folder they share (this run's base temporary folder) and stores ``value`` (JSON) beside it; the
+    others wait for it and read it."""
+    if not WORKER:
+        folder = tmp_path_factory.mktemp(name)
+        return folder, build(folder)
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent / "built-once"  # getbasetemp(): .../popen-gw0
+    root.mkdir(exist_ok=True)
+    folder, value = root / name, root / f"{name}.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not value.is_file():  # written last: not there if the build failed or is under way
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            value.write_text(json.dumps(build(folder)))
+    return folder, json.loads(value.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def _has_module_fixture(path):
+    """Whether the test module at ``path`` defines a module-scoped fixture."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return False
+    return re.search(r"""@pytest\.fixture\([^)]*scope\s*=\s*["']module["']""", text) is not None
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown without it
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` (what scripts/run-tests.sh asks for) with the tests of a module that defines
+    a module-scoped fixture (a trained model, a comparison run) kept in one worker, so that the fixture
+    is built once rather than once in each worker that runs one of its tests; every other test is
+    handed out one at a time to the first free worker. Tests with an xdist_group mark stay together
+    as pytest-xdist does it, where it can: pytest 9 no longer takes the group pytest-xdist 3.8 adds to
+    a test's id, so there they are handed out one at a time."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ModulesWithFixturesTogether(LoadGroupScheduling):
+        def _split_scope(self, nodeid):
+            scope = super()._split_scope(nodeid)
+            if scope != nodeid:  # an xdist_group mark's group
+                return scope
+            module = nodeid.split("::")[0]
+            return module if _has_module_fixture(config.rootpath / module) else nodeid
+
+    return ModulesWithFixturesTogether(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -71,14 +154,18 @@ def sample_dir():
 @pytest.fixture(scope="session")
 def data_bin(sample_dir, tmp_path_factory):
     """fairseq-preprocess --only-source on the head of each split (8000-word vocabulary)."""
-    raw = tmp_path_factory.mktemp("raw")
-    sizes = {"train": 600_000, "valid": 120_000, "test": 60_000}
-    for split, size in sizes.items():
-        text = (sample_dir / f"wiki.{split}.tokens").read_bytes()[:size]
-        (raw / f"wiki.{split}.tokens").write_bytes(text[: text.rfind(b"\n") + 1])
-    dest = tmp_path_factory.mktemp("data") / "data-bin"
-    preprocess(raw, dest, vocab_size=8000, workers=2, log=lambda message: None)
-    return dest
+    def cut(raw):
+        sizes = {"train": 600_000, "valid": 120_000, "test": 60_000}
+        for split, size in sizes.items():
+            text = (sample_dir / f"wiki.{split}.tokens").read_bytes()[:size]
+            (raw / f"wiki.{split}.tokens").write_bytes(text[: text.rfind(b"\n") + 1])
+
+    def build(data):
+        preprocess(raw, data / "data-bin", vocab_size=8000, workers=2, log=lambda message: None)
+
+    raw, _ = built_once(tmp_path_factory, "raw", cut)
+    data, _ = built_once(tmp_path_factory, "data", build)
+    return data / "data-bin"
 
 
 TRAIN_LENGTH = 64
@@ -148,23 +235,41 @@ def assert_finite_falling_loss(losses, updates, run):
     assert last < first - 0.4, f"{run}: loss {first:.2f} -> {last:.2f}"
 
 
+TRAINED = {  # the models of ``trained``: flags, updates
+    "alibi": (["--arch", "transformer_lm_kerple", "--bias-kernel", "alibi"], UPDATES),
+    "kerple_log": (["--arch", "transformer_lm_kerple", "--bias-kernel", "kerple_log"], UPDATES),
+    "sinusoidal": (["--arch", "transformer_lm"], 10),
+    "learned": (["--arch", "transformer_lm", "--decoder-learned-pos"], 10),
+}
+
+
+class _Trained(Mapping):
+    """:data:`TRAINED`'s models by name, each trained when first asked for (once for all of
+    pytest-xdist's workers, which may train different ones at the same time)."""
+
+    def __init__(self, data_bin, tmp_path_factory):
+        self._data_bin, self._factory, self._runs = data_bin, tmp_path_factory, {}
+
+    def __getitem__(self, name):
+        if name not in self._runs:
+            flags, updates = TRAINED[name]
+            self._runs[name] = built_once(self._factory, f"ckpt-{name}",
+                                          lambda save_dir: train_in_process(self._data_bin, save_dir, updates, *flags))
+        return self._runs[name]
+
+    def __iter__(self):
+        return iter(TRAINED)
+
+    def __len__(self):
+        return len(TRAINED)
+
+
 @pytest.fixture(scope="session")
 def trained(data_bin, tmp_path_factory):
     """Tiny models trained at length 64: the two kernels of the comparison, and stock
     transformer_lm with sinusoidal and with learned positions (the baselines); by name,
-    (save_dir, training losses)."""
-    runs = {
-        "alibi": ["--arch", "transformer_lm_kerple", "--bias-kernel", "alibi"],
-        "kerple_log": ["--arch", "transformer_lm_kerple", "--bias-kernel", "kerple_log"],
-        "sinusoidal": ["--arch", "transformer_lm"],
-        "learned": ["--arch", "transformer_lm", "--decoder-learned-pos"],
-    }
-    out = {}
-    for name, flags in runs.items():
-        save_dir = tmp_path_factory.mktemp(f"ckpt-{name}")
-        updates = UPDATES if name in ("alibi", "kerple_log") else 10
-        out[name] = (save_dir, train_in_process(data_bin, save_dir, updates, *flags))
-    return out
+    (save_dir, training losses), each trained when a test first asks for it."""
+    return _Trained(data_bin, tmp_path_factory)
 
 
 def stock_eval_lm(data_bin, checkpoint, length, *extra):
