@@ -114,10 +114,11 @@ def method_values(model_state: dict, model_cfg) -> Dict[str, List[float]]:
     """The learned per-head values each attention method of the model reports, per layer
     (``ssmax_s/layer1``, ...), from a model's state dict."""
     methods = chosen_methods(model_cfg)
+    places = layout(methods)
     values = {}
     for layer in range(int(model_cfg.decoder_layers)):
         for method in methods:
-            prefix = f"decoder.layers.{layer}.self_attn.{layout(methods)[method.name]}."
+            prefix = f"decoder.layers.{layer}.self_attn.{places[method.name]}."
             for name, value in method.learned_values(model_state, prefix).items():
                 values[f"{name}/layer{layer + 1}"] = value.double().tolist()
     return values
