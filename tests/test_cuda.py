@@ -10,7 +10,7 @@ import torch
 
 from helpers import FLEX_METHODS, flex_method_model, random_tokens
 from kerple_fairseq.attention import flex
-from kerple_fairseq.attention.attend import attend
+from kerple_fairseq.attention.attend import attend, masked_sdpa_backends
 from kerple_fairseq.attention.blocks import QueryBlock
 
 pytestmark = pytest.mark.cuda
@@ -169,3 +169,33 @@ def test_sdpa_with_a_mask_avoids_cudnn_nan_gradients():
     assert torch.isfinite(grads["sdpa"]).all()
     torch.testing.assert_close(grads["sdpa"], grads["explicit"], rtol=0, atol=1e-5)
 
+
+MASKED_SDPA_CASES = [pytest.param(name, dtype, backend, marks=pytest.mark.xdist_group(name),
+                                  id=f"{name}-{str(dtype).split('.')[-1]}-{backend.name}")
+                     for name in ("gauss_bias3", "gauss_bias2", "kerple_log")
+                     for dtype in (torch.float32, torch.float16) for backend in masked_sdpa_backends(dtype)]
+
+
+@pytest.mark.parametrize("name,dtype,sdpa_backend", MASKED_SDPA_CASES)
+def test_each_masked_sdpa_backend(name, dtype, sdpa_backend, monkeypatch):
+    """Each of SDPA's backends that the plugin allows with a mask, alone, against the float64 reference;
+    a failure names every parameter off (error over tolerance) and the positions of the embeddings off."""
+    from kerple_fairseq.attention import attend as attend_module
+    monkeypatch.setattr(attend_module, "masked_sdpa_backends", lambda dtype: [sdpa_backend])
+    length, flags = 333, ("--attention-dropout", "0", "--attention-block-size", "0")
+    tolerance = 2e-4 if dtype == torch.float32 else 3e-2
+    tokens = random_tokens(batch=2, length=length, seed=3)
+    cpu, (expected, expected_grads) = reference(name, length, flags)
+    model = cuda_model(name, *flags).train().to(CUDA, dtype)
+    model.load_state_dict(cpu.state_dict())
+    got, grads = loss_and_gradients(model, tokens.to(CUDA), "sdpa")
+    scale = max(g.abs().max().item() for g in expected_grads.values())
+    errors = {"log-probabilities": (got.double().cpu() - expected).abs().max().item() / tolerance}
+    errors.update({n: (grads[n].double().cpu() - g).abs().max().item() / (tolerance * scale)
+                   for n, g in expected_grads.items()})
+    off = [n for n, e in errors.items() if not e <= 1.0]
+    rows = ((grads["decoder.embed_tokens.weight"].double().cpu() - expected_grads["decoder.embed_tokens.weight"])
+            .abs().amax(-1) > tolerance * scale).nonzero().flatten().tolist()
+    where = {row: (tokens == row).nonzero().tolist() for row in rows}
+    assert not off, (f"{sdpa_backend}: off (error / tolerance): " + ", ".join(f"{n} {errors[n]:.3g}" for n in off)
+                     + f"; embedding rows off {rows} at (sequence, position) {where}")

@@ -222,3 +222,36 @@ def test_kernels_compile_one_after_another(compiled, flex_calls):
         torch.testing.assert_close(log_probs(model, tokens, "flex"), log_probs(model, tokens, "explicit"),
                                    **TOLERANCE)
     assert len(flex_calls) == 4
+
+
+def python_floats(function, seen=None):
+    """The Python floats ``function`` reads from its closure or its module's globals, following the
+    functions it closes over: PyTorch 2.11's compiler passes such a float as a symbolic scalar, which
+    FlexAttention's CUDA lowering rejects ("unbacked_bindings": FIRE's ``eps``, measured on an H100)."""
+    seen = set() if seen is None else seen
+    if id(function) in seen or not hasattr(function, "__code__"):
+        return []
+    seen.add(id(function))
+    found = [(function.__qualname__, name) for name in function.__code__.co_names
+             if isinstance(function.__globals__.get(name), float)]
+    for name, cell in zip(function.__code__.co_freevars, function.__closure__ or ()):
+        value = cell.cell_contents
+        if isinstance(value, float):
+            found.append((function.__qualname__, name))
+        elif callable(value):
+            found += python_floats(value, seen)
+    return found
+
+
+@pytest.mark.parametrize("name", list(FLEX_METHODS))
+def test_score_modifications_capture_no_python_float(name, eager, monkeypatch):
+    """Each method's score modification and mask, as FlexAttention receives them, read tensors and
+    literals only (a float literal is a constant to the compiler; a float in a closure or a global is not)."""
+    received = []
+    original = flex.attend
+    monkeypatch.setattr(flex, "attend", lambda q, k, v, score_mod, mask: received.append(
+        (score_mod, mask.visible)) or original(q, k, v, score_mod, mask))
+    log_probs(flex_method_model(name), random_tokens(batch=2, length=20), "flex")
+    assert received, "FlexAttention was not used"
+    for score_mod, visible in received:
+        assert python_floats(score_mod) == [] and python_floats(visible) == []

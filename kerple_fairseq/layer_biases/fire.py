@@ -118,6 +118,9 @@ class FireBias(LayerBias):
         dtype = precise(self.c.dtype)
         c = self.c.to(dtype).abs().reshape(1)
         threshold = self.threshold().to(dtype).reshape(1)
+        # a Python float read in the term becomes a symbolic scalar that PyTorch 2.11's compiler cannot
+        # lower ("unbacked_bindings"): the constant is captured as a tensor
+        eps = torch.full((1,), NORMALISER_EPS, dtype=dtype, device=c.device)
         hidden_weight, hidden_bias = self.hidden.weight.to(dtype).reshape(-1), self.hidden.bias.to(dtype)
         out_weight, out_bias = self.out.weight.to(dtype), self.out.bias.to(dtype)
         first_query = torch.full((1,), first_position + block.query_start, dtype=torch.int64, device=c.device)
@@ -127,8 +130,7 @@ class FireBias(LayerBias):
         def term(b, h, query, key):
             distance = (query + offset[0] - key).clamp(min=0).to(dtype)
             position = (query + first_query[0]).to(dtype)
-            u = torch.log1p(c[0] * distance) / (torch.log1p(c[0] * torch.maximum(position, threshold[0]))
-                                                + NORMALISER_EPS)
+            u = torch.log1p(c[0] * distance) / (torch.log1p(c[0] * torch.maximum(position, threshold[0])) + eps[0])
             total = out_bias[h]
             for unit in range(width):
                 total = total + out_weight[h, unit] * torch.relu(u * hidden_weight[unit] + hidden_bias[unit])
