@@ -8,7 +8,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["kerple_fairseq", "kerple_fairseq.*"]),
-    python_requires=">=3.8",
+    python_requires=">=3.10,<3.14",  # tried: 3.10 to 3.13 (torch 2.13.0 starts at 3.10)
     install_requires=[
         # fairseq 0.12.2 does not run on Python 3.11+; fairseq-fixed is its maintained rebuild
         'fairseq==0.12.2; python_version < "3.11"',

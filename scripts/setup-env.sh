@@ -3,8 +3,17 @@
 #   PYTHON=python3.10 bash scripts/setup-env.sh   # choose the interpreter
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# the Pythons the set-up was tried on (torch 2.13.0 has no build for 3.9 and older)
+supported='import sys; sys.exit(not (3, 10) <= sys.version_info[:2] <= (3, 13))'
 if [ ! -x .venv/bin/python ]; then
+  if ! "${PYTHON:-python3}" -c "$supported" 2>/dev/null; then
+    echo "setup-env: error: kerple-fairseq needs Python 3.10 to 3.13; ${PYTHON:-python3} is $("${PYTHON:-python3}" -V 2>&1 || echo 'not found'): choose another with PYTHON=python3.12 bash scripts/setup-env.sh" >&2
+    exit 1
+  fi
   "${PYTHON:-python3}" -m venv .venv
+elif ! .venv/bin/python -c "$supported"; then
+  echo "setup-env: error: .venv holds $(.venv/bin/python -V 2>&1); kerple-fairseq needs Python 3.10 to 3.13: remove .venv and run again with PYTHON=python3.12" >&2
+  exit 1
 fi
 py=.venv/bin/python
 if "$py" -c "import fairseq" 2>/dev/null; then
@@ -17,7 +26,9 @@ fi
 "$py" -m pip install -q "torch==2.13.0" numpy cython
 # fairseq's build imports torch, so build it against the torch above (no isolated build env,
 # which would fetch another torch). setup.py picks fairseq-fixed on Python 3.11+.
-"$py" -m pip install -q --no-build-isolation ".[test,plots]"
+# editable: every command (kerple-eval-lm, kerple-analyze, fairseq-train --user-dir kerple_fairseq) runs
+# this checkout's code, edits included
+"$py" -m pip install -q --no-build-isolation -e ".[test,plots]"
 # fairseq's compiled parts must match the NumPy installed: a wheel pip cached from a build against
 # another NumPy does not load, and is rebuilt (and cached in its place)
 if ! "$py" -c "import fairseq.data.data_utils_fast, fairseq.data.token_block_utils_fast" 2>/dev/null; then
