@@ -4,6 +4,7 @@ build; nothing fairseq imports for its tasks, models and criterions loads it, so
 speech tasks, which the plugin does not use, would notice."""
 
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -54,3 +55,34 @@ def test_fairseq_batches_by_sentence_with_the_installed_numpy():
     fairseq's modules (kerple_fairseq/fairseq_changes.py), whichever NumPy is installed."""
     proc = subprocess.run([sys.executable, "-c", SENTENCE_BATCHES], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def kernel_files_loaded(command, cwd):
+    """The files of ``kerple_fairseq.kernels.alibi`` (and any other copy of the package) that a
+    command's Python loads, from ``python -v``'s record of each module's source."""
+    proc = subprocess.run([sys.executable, "-v", *command], cwd=cwd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sorted({line.split()[-1] for line in proc.stderr.splitlines()
+                   if line.startswith("# ") and line.rstrip().endswith(("kerple_fairseq/kernels/alibi.py",
+                                                                         "kerple_fairseq/__init__.py"))})
+
+
+def test_every_command_runs_the_checkout(tmp_path):
+    """The package is installed editable (scripts/setup-env.sh), so the console scripts and fairseq's
+    ``--user-dir kerple_fairseq`` load the same files, this checkout's: an edit to a kernel is seen by
+    every command at once. Run from outside the checkout, where a relative import cannot help."""
+    import json
+    import sysconfig
+    from importlib import metadata
+
+    # the environment's record (an egg-info folder in the checkout may also be on the path)
+    site = sysconfig.get_paths()["purelib"]
+    [record] = [d for d in metadata.distributions(path=[site]) if d.metadata["Name"] == "kerple-fairseq"]
+    installed = json.loads(record.read_text("direct_url.json"))
+    assert installed["dir_info"].get("editable") and installed["url"] == REPO.as_uri(), installed
+    bin_dir = Path(sys.executable).parent
+    expected = [str(REPO / "kerple_fairseq" / "__init__.py"), str(REPO / "kerple_fairseq" / "kernels" / "alibi.py")]
+    for command in ([str(bin_dir / "kerple-eval-lm"), "--help"], [str(bin_dir / "kerple-analyze"), "--help"],
+                    [str(bin_dir / "fairseq-train"), "--user-dir", str(REPO / "kerple_fairseq"),
+                     "--task", "language_modeling", "--arch", "transformer_lm_kerple", "--help"]):
+        assert kernel_files_loaded(command, tmp_path) == expected, command[0]
