@@ -10,9 +10,9 @@ setup(
     packages=find_packages(include=["kerple_fairseq", "kerple_fairseq.*"]),
     python_requires=">=3.10,<3.14",  # tried: 3.10 to 3.13 (torch 2.13.0 starts at 3.10)
     install_requires=[
-        # fairseq 0.12.2 does not run on Python 3.11+; fairseq-fixed is its maintained rebuild
-        'fairseq==0.12.2; python_version < "3.11"',
-        'fairseq-fixed==0.12.3.1; python_version >= "3.11"',
+        # fairseq 0.12.2's own rebuild: 0.12.2 does not run on Python 3.11+, and pip 24.1 and later refuse
+        # the metadata of the omegaconf and hydra-core releases it pins (so it no longer installs on 3.10)
+        "fairseq-fixed==0.12.3.1",
         "torch",
         "sacremoses",
         # NumPy 1 or 2, whichever the environment holds: fairseq 0.12's np.compat, which NumPy 2
