@@ -88,9 +88,9 @@ def _in_chain(error: Optional[BaseException], found):
 
 def one_line_report(error: BaseException) -> Optional[str]:
     """The one line an uncaught ``error`` is reported as, or None for a traceback: a
-    :class:`KernelConfigError`'s message, else the first registered recogniser's that recognises
+    :class:`KernelConfigError`'s or :class:`UsageError`'s message, else the first registered recogniser's that recognises
     ``error`` or an exception it was raised from or during."""
-    if isinstance(error, KernelConfigError):
+    if isinstance(error, (KernelConfigError, UsageError)):
         return f"kerple_fairseq: error: {error}"
     for recognise in one_line_reports:
         report = _in_chain(error, recognise)
@@ -115,6 +115,31 @@ def _one_line_usage_error(parser: argparse.ArgumentParser, message: str) -> None
     argv = sys.argv[1:]
     hint = "".join(hint(message, argv) for hint in usage_hints)
     parser.exit(2, f"{parser.prog}: error: {message}{hint} (options: {parser.prog} --help)\n")
+
+
+def _one_line_job_failure(stock_return_value):
+    def return_value(job):
+        failure = getattr(job, "_return_value", None)
+        report = one_line_report(failure) if isinstance(failure, BaseException) else None
+        if report is not None and job.status.name == "FAILED":
+            print(report, file=sys.stderr)
+            raise SystemExit(1)
+        return stock_return_value.fget(job)
+
+    return_value.kerple_fairseq = True
+    return property(return_value, stock_return_value.fset)
+
+
+def report_hydra_jobs_in_one_line() -> None:
+    """fairseq-hydra-train: a job that failed with an error :func:`one_line_report` recognises ends in
+    that line and exit status 1, instead of Hydra's report of the job and its traceback (Hydra catches
+    the job's errors, so :data:`sys.excepthook` never sees them)."""
+    try:
+        from hydra.core.utils import JobReturn
+    except ImportError:
+        return
+    if not getattr(JobReturn.return_value.fget, "kerple_fairseq", False):
+        JobReturn.return_value = _one_line_job_failure(JobReturn.return_value)
 
 
 def install_one_line_errors() -> None:

@@ -18,12 +18,16 @@ from typing import Callable, NamedTuple
 
 import numpy
 
-from kerple_fairseq.errors import install_one_line_errors, register_one_line_report, register_usage_hint
-from kerple_fairseq.evaluation.checkpoint_file import allow_checkpoint_globals, refused_checkpoint_report
+from kerple_fairseq.errors import (install_one_line_errors, register_one_line_report, register_usage_hint,
+                                   report_hydra_jobs_in_one_line)
+from kerple_fairseq.evaluation.checkpoint_file import (allow_checkpoint_globals, install_checkpoint_reading_errors,
+                                                       missing_checkpoint_report, refused_checkpoint_report)
+from kerple_fairseq.evaluation.loading import missing_data_report
 from kerple_fairseq.models.transformer_lm_kerple import task_hint
 from kerple_fairseq.training.adaptive_loss import install_float32_adaptive_loss
 from kerple_fairseq.training.distributed import install_distributed, lost_peer_report
 from kerple_fairseq.training.resume import install_resume
+from kerple_fairseq.training.save_dir import install_save_dir_made_on_save
 
 #: fairseq's modules that name ``np.compat`` (fairseq 0.12.2 and fairseq-fixed 0.12.3.1)
 NUMPY_COMPAT_USERS = ("fairseq.data.token_block_dataset", "fairseq.data.language_pair_dataset")
@@ -72,6 +76,14 @@ def report_refused_checkpoints_in_one_line() -> None:
     register_one_line_report(refused_checkpoint_report)
 
 
+def report_missing_checkpoints_in_one_line() -> None:
+    register_one_line_report(missing_checkpoint_report)
+
+
+def report_missing_data_in_one_line() -> None:
+    register_one_line_report(missing_data_report)
+
+
 def report_lost_processes_in_one_line() -> None:
     register_one_line_report(lost_peer_report)
 
@@ -99,6 +111,22 @@ CHANGES = (
     Change(report_refused_checkpoints_in_one_line,
            "fairseq's own loads (--restore-file, checkpoint_last.pt) refuse a checkpoint that asks for code "
            "with a pickle traceback: one line says why nothing was read and what to give instead"),
+    Change(install_checkpoint_reading_errors,
+           "fairseq's own reads of a checkpoint (fairseq-eval-lm, fairseq-interactive, fairseq-generate, "
+           "--restore-file, the hub interface) end a truncated or foreign file in torch's traceback, which names "
+           "no file: one line names the file and says what to give instead"),
+    Change(report_missing_checkpoints_in_one_line,
+           "a --path that does not exist ends fairseq's tools in a traceback (OSError: Model file not found)"),
+    Change(report_missing_data_in_one_line,
+           "a folder that is not a data-bin, a split it lacks, or a checkpoint of another dictionary end "
+           "fairseq's tools in tracebacks (FileNotFoundError of dict.txt, 'Dataset not found', load_state_dict's "
+           "size mismatch): one line says which and what to give"),
+    Change(report_hydra_jobs_in_one_line,
+           "Hydra catches a job's errors and prints them with its traceback, so fairseq-hydra-train never reached "
+           "the one-line reports: a failed job whose error has one ends in that line"),
+    Change(install_save_dir_made_on_save,
+           "fairseq-train makes --save-dir before it reads the data, so a refused run left an empty folder "
+           "behind: the folder is made when the first checkpoint is saved"),
     Change(report_lost_processes_in_one_line,
            "when a process of a training run dies, the others' collectives fail with tracebacks that hide "
            "it: one line says a process was lost and that the same command resumes"),

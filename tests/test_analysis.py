@@ -19,6 +19,7 @@ from conftest import BIN, REPO, TRAIN_LENGTH, run, train
 from helpers import tiny_model
 from kerple_fairseq.analysis.kernel_curves import effective_lengths
 from kerple_fairseq.analysis.receptive_field import receptive_field
+from kerple_fairseq.evaluation.checkpoint_file import no_checkpoint
 from kerple_fairseq.kernels import build_kernel
 
 ANALYZE = BIN / "kerple-analyze"
@@ -277,7 +278,7 @@ def test_without_matplotlib_the_numbers_are_written_and_the_fix_is_named(trained
 def test_bad_input_through_the_installed_command(tmp_path):
     proc = analyze("kernels", "--path", tmp_path / "missing.pt", "--out", tmp_path / "out", check=False)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines() == [f"kerple-analyze: error: checkpoint {tmp_path / 'missing.pt'} does not exist"]
+    assert proc.stderr.strip().splitlines() == [f"kerple-analyze: error: {no_checkpoint(tmp_path / 'missing.pt')}"]
     assert not (tmp_path / "out").exists()
 
 

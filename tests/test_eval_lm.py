@@ -196,7 +196,7 @@ def test_dictionary_mismatch(trained, data_bin, tmp_path):
     lines = (data_bin / "dict.txt").read_text().splitlines()
     (other / "dict.txt").write_text("\n".join(lines[:-10]) + "\n")
     proc, _ = kerple_eval_lm(other, ckpt(trained, "alibi"), check=False)
-    one_line_error(proc, "does not match the checkpoint's")
+    one_line_error(proc, "the checkpoint does not fit the data-bin's dictionary")
 
 
 @pytest.mark.parametrize("lengths", [["0"], ["64", "-5"]])

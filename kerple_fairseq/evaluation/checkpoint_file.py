@@ -78,6 +78,27 @@ def refused_checkpoint_report(error: BaseException) -> Optional[str]:
     return f"refused to read a checkpoint: {refusal(named)}" if named else None
 
 
+def no_checkpoint(path: str) -> str:
+    return (f"checkpoint {path} does not exist; give a checkpoint_*.pt file written by fairseq-train (the main "
+            "job's: runs/small-comparison/<model>-seed1/checkpoint_last.pt)")
+
+
+def reading_error(path: str, error: BaseException) -> UsageError:
+    """The one-line error of a checkpoint file that torch could not read, or refused to."""
+    named = refused_object(error)
+    if named:
+        return UsageError(f"refused to read checkpoint {path}: {refusal(named)}")
+    said = first_line(error).split(". ")[0]  # torch goes on with advice about corrupted files
+    return UsageError(f"cannot read checkpoint {path}: not a PyTorch file, or a damaged or truncated one "
+                      f"({said}); give a checkpoint_*.pt file written by fairseq-train")
+
+
+def unreadable_checkpoint(path: str, error: BaseException) -> UsageError:
+    """The one-line error of a checkpoint read whole that fairseq cannot make a model of."""
+    return UsageError(f"cannot read checkpoint {path} ({type(error).__name__}: {first_line(error)}); "
+                      "give a checkpoint_*.pt file written by fairseq-train")
+
+
 def read_checkpoint(path: str):
     """What ``path`` holds, rebuilt from tensors, plain values and :data:`CHECKPOINT_GLOBALS` only;
     a one-line :class:`UsageError` for a file that needs anything else or is not a PyTorch file."""
@@ -85,11 +106,36 @@ def read_checkpoint(path: str):
         with torch.serialization.safe_globals(CHECKPOINT_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001  (whatever a foreign or damaged file makes torch raise)
-        named = refused_object(error)
-        if named:
-            raise UsageError(f"refused to read checkpoint {path}: {refusal(named)}") from error
-        raise UsageError(f"cannot read checkpoint {path}: not a PyTorch file, or a damaged or truncated one "
-                         f"({first_line(error)}); give a checkpoint_*.pt file written by fairseq-train") from error
+        raise reading_error(path, error) from error
+
+
+_MISSING_MODEL = re.compile(r"Model file not found: (.*)")
+
+
+def missing_checkpoint_report(error: BaseException) -> Optional[str]:
+    """The one-line report of fairseq's own refusal of a checkpoint path that does not exist
+    (``fairseq-eval-lm``, ``fairseq-interactive``, ``fairseq-generate``, the hub interface); registered
+    with :func:`kerple_fairseq.errors.register_one_line_report` by :mod:`kerple_fairseq.fairseq_changes`."""
+    found = _MISSING_MODEL.match(str(error)) if isinstance(error, OSError) else None
+    return no_checkpoint(found.group(1)) if found else None
+
+
+def _naming_the_file(stock):
+    def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
+        try:
+            return stock(path, arg_overrides, load_on_all_ranks)
+        except Exception as error:  # noqa: BLE001  (whatever a foreign or damaged file makes torch raise)
+            raise reading_error(path, error) from error
+
+    load_checkpoint_to_cpu.kerple_fairseq = True
+    return load_checkpoint_to_cpu
+
+
+def install_checkpoint_reading_errors() -> None:
+    """fairseq's own reads of a checkpoint file (every stock command, ``--restore-file``, the hub
+    interface) fail with the one-line error of :func:`reading_error`, which names the file."""
+    if not getattr(checkpoint_utils.load_checkpoint_to_cpu, "kerple_fairseq", False):
+        checkpoint_utils.load_checkpoint_to_cpu = _naming_the_file(checkpoint_utils.load_checkpoint_to_cpu)
 
 
 def as_fairseq_state(state: Dict, arg_overrides: Optional[Dict] = None) -> Dict:

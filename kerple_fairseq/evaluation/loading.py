@@ -1,6 +1,7 @@
 """Loading a checkpoint and a split for evaluation and analysis, with one-line errors."""
 
 import os
+import re
 from typing import Dict, Optional
 
 import torch
@@ -9,21 +10,51 @@ from fairseq.data import Dictionary, data_utils
 from fairseq.modules import LearnedPositionalEmbedding
 
 from kerple_fairseq.errors import KernelConfigError, UsageError, first_line
-from kerple_fairseq.evaluation.checkpoint_file import as_fairseq_state, read_checkpoint
+from kerple_fairseq.evaluation.checkpoint_file import (as_fairseq_state, no_checkpoint, read_checkpoint,
+                                                       unreadable_checkpoint)
 
 
-def _unreadable(path: str, error: BaseException) -> UsageError:
-    return UsageError(f"cannot read checkpoint {path} ({type(error).__name__}: {first_line(error)}); "
-                      "give a checkpoint_*.pt file written by fairseq-train")
+#: fairseq's word for a split its data-bin lacks (``LanguageModelingTask.load_dataset``)
+_MISSING_SPLIT = re.compile(r"Dataset not found: (\S+) \((.*)\)")
+_SIZE_MISMATCH = re.compile(r"size mismatch for ([\w.]+): copying a param with shape (torch\.Size\(\[[\d, ]*\]\)) "
+                            r"from checkpoint, the shape in current model is (torch\.Size\(\[[\d, ]*\]\))")
+
+
+def not_a_data_bin(data: str) -> str:
+    return (f"{data} is not a fairseq data-bin (no dict.txt): give the folder fairseq-preprocess wrote (the main "
+            "job's is data-bin/wikitext-103-sample), or make one with bash scripts/prepare-wikitext-103.sh")
 
 
 def check_data_bin(data: str) -> None:
     if not os.path.isfile(os.path.join(utils.split_paths(data)[0], "dict.txt")):
-        raise UsageError(f"{data} is not a fairseq data-bin (no dict.txt); run fairseq-preprocess --only-source first")
+        raise UsageError(not_a_data_bin(data))
 
 
-def dictionary_size(data: str) -> int:
-    return len(Dictionary.load(os.path.join(utils.split_paths(data)[0], "dict.txt")))
+def dictionary_mismatch(error: BaseException) -> Optional[str]:
+    """What a checkpoint loaded against another data-bin's dictionary is told, from the error of
+    ``load_state_dict``, if ``error`` is such an error."""
+    found = _SIZE_MISMATCH.search(str(error)) if isinstance(error, RuntimeError) else None
+    if not found:
+        return None
+    name, saved, built = found.groups()
+    return (f"the checkpoint does not fit the data-bin's dictionary ({name}: {saved} saved, {built} built from "
+            "it): give the data-bin the model was trained with, or preprocess with fairseq-preprocess --srcdict "
+            "<its dict.txt>")
+
+
+def missing_data_report(error: BaseException) -> Optional[str]:
+    """The one-line report of ``error`` if fairseq's own commands raised it for their data: a folder
+    without ``dict.txt``, a split the data-bin lacks, a checkpoint of another dictionary; registered with
+    :func:`kerple_fairseq.errors.register_one_line_report` by :mod:`kerple_fairseq.fairseq_changes`."""
+    if isinstance(error, FileNotFoundError):
+        if error.filename and os.path.basename(str(error.filename)) == "dict.txt":
+            return not_a_data_bin(os.path.dirname(str(error.filename)) or ".")
+        missing = _MISSING_SPLIT.search(str(error))
+        if missing:
+            split, path = missing.groups()
+            return (f"{os.path.dirname(path) or '.'} has no '{split}' split ({split}.bin/.idx): choose one it has "
+                    "(--valid-subset, --gen-subset), or preprocess that split with fairseq-preprocess")
+    return dictionary_mismatch(error)
 
 
 def check_checkpoint(path: str) -> None:
@@ -32,7 +63,7 @@ def check_checkpoint(path: str) -> None:
         raise UsageError(f"checkpoint {path} is a directory; give a checkpoint file in it, e.g. "
                          f"{os.path.join(path, 'checkpoint_best.pt')}")
     if not os.path.isfile(path):
-        raise UsageError(f"checkpoint {path} does not exist")
+        raise UsageError(no_checkpoint(path))
     if os.path.getsize(path) == 0:
         raise UsageError(f"checkpoint {path} is an empty file")
 
@@ -62,16 +93,11 @@ def load_language_model(path: str, data: str, overrides: Optional[Dict] = None, 
     except KernelConfigError as e:
         raise UsageError(str(e)) from e
     except RuntimeError as e:
-        if "size mismatch" in str(e):
-            raise UsageError(
-                f"the dictionary of {data} ({dictionary_size(data)} types) does not "
-                "match the checkpoint's: use the data-bin the model was trained with, or preprocess with "
-                "fairseq-preprocess --srcdict <its dict.txt>") from e
-        raise UsageError(f"cannot load checkpoint {path}: {first_line(e)}") from e
+        raise UsageError(dictionary_mismatch(e) or f"cannot load checkpoint {path}: {first_line(e)}") from e
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001  (whatever a foreign or damaged file makes torch or fairseq raise)
-        raise _unreadable(path, e) from e
+        raise unreadable_checkpoint(path, e) from e
     if len(models) != 1:
         raise UsageError("give one checkpoint at a time (ensembles are not supported)")
     if attn_window is not None:
@@ -92,7 +118,7 @@ def load_checkpoint_state(path: str, arg_overrides: Optional[Dict] = None) -> Di
     try:
         return as_fairseq_state(state, arg_overrides)
     except Exception as e:  # noqa: BLE001  (whatever a configuration fairseq cannot upgrade makes it raise)
-        raise _unreadable(path, e) from e
+        raise unreadable_checkpoint(path, e) from e
 
 
 def token_stream(task, data: str, split: str, dataset_impl=None) -> torch.Tensor:

@@ -1,0 +1,135 @@
+"""Bad input through fairseq's own commands, the plugin loaded with ``--user-dir kerple_fairseq``: a
+folder that is not a data-bin, a split it lacks, a checkpoint that does not exist, is truncated, asks
+for code, or was trained on another dictionary. Each ends in one ``kerple_fairseq: error:`` line and a
+non-zero exit, with no traceback, no ``--save-dir`` left behind, and the files given left as they were.
+The hub interface loads a plugin checkpoint without ``import kerple_fairseq`` when told the plugin's
+folder (fairseq's ``user_dir=``)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import BIN, REPO, TRAIN_FLAGS, run
+
+pytestmark = pytest.mark.slow  # a process per command
+
+USER_DIR = ["--user-dir", str(REPO / "kerple_fairseq")]
+ARCH = ["--arch", "transformer_lm_kerple", "--bias-kernel", "alibi"]
+SAVED = REPO / "tests" / "data" / "saved-checkpoints"  # tiny checkpoints and their 200-word dict.txt
+CHECKPOINT = SAVED / "alibi.pt"
+EXCEPTION_LINE = re.compile(r"^\w+(Error|Exception|Interrupt)\b")
+
+
+def truncated(path):
+    path.write_bytes(CHECKPOINT.read_bytes()[:2000])
+
+
+def asking_for_code(path):
+    torch.save({"model": {}, "cfg": {}, "hook": os.system}, path)  # pickles a reference to os.system
+
+
+def a_split_short(tmp_path):
+    """A data-bin of the saved checkpoints' dictionary with no splits at all."""
+    folder = tmp_path / "no-splits"
+    folder.mkdir()
+    (folder / "dict.txt").write_bytes((SAVED / "dict.txt").read_bytes())
+    return folder
+
+
+def train(data, save_dir, *extra):
+    return [BIN / "fairseq-train", data, *TRAIN_FLAGS, *ARCH, "--max-update", "1", "--save-dir", save_dir, *extra]
+
+
+def eval_lm(data, path, *extra):
+    return [BIN / "fairseq-eval-lm", data, *USER_DIR, "--path", path, "--cpu", *extra]
+
+
+def interactive(data, path):
+    return [BIN / "fairseq-interactive", data, *USER_DIR, "--task", "language_modeling", "--path", path, "--cpu"]
+
+
+def generate(data, path):
+    return [BIN / "fairseq-generate", data, *USER_DIR, "--task", "language_modeling", "--path", path, "--cpu",
+            "--sampling", "--beam", "1", "--nbest", "1", "--max-len-b", "4"]
+
+
+def hydra_train(data, save_dir, tmp_path):
+    return [BIN / "fairseq-hydra-train", "--config-dir", REPO / "docs" / "hydra", "--config-name", "kerple_lm",
+            f"task.data={data}", f"common.user_dir={REPO / 'kerple_fairseq'}", "common.cpu=true",
+            f"checkpoint.save_dir={save_dir}", f"hydra.run.dir={tmp_path / 'hydra-outputs'}"]
+
+
+# each case: (command from (tmp_path, data_bin, save_dir, bad checkpoint), what the line says, a file to
+# write at the bad checkpoint's path first)
+CASES = {
+    "train: no such data-bin": (lambda t, d, s, c: train(t / "no-such-dir", s), "is not a fairseq data-bin", None),
+    "train: a folder without dict.txt": (lambda t, d, s, c: train(t, s), "is not a fairseq data-bin", None),
+    "train: no valid split": (lambda t, d, s, c: train(a_split_short(t), s), "has no 'train' split", None),
+    "train: truncated --restore-file": (lambda t, d, s, c: train(d, s, "--restore-file", c),
+                                        "not a PyTorch file, or a damaged or truncated one", truncated),
+    "train: --restore-file asking for code": (lambda t, d, s, c: train(d, s, "--restore-file", c),
+                                              "refused to read checkpoint", asking_for_code),
+    "hydra-train: no such data-bin": (lambda t, d, s, c: hydra_train(t / "no-such-dir", s, t),
+                                      "is not a fairseq data-bin", None),
+    "eval-lm: no such data-bin": (lambda t, d, s, c: eval_lm(t / "no-such-dir", CHECKPOINT),
+                                  "is not a fairseq data-bin", None),
+    "eval-lm: no such checkpoint": (lambda t, d, s, c: eval_lm(d, t / "nope.pt"), "does not exist", None),
+    "eval-lm: truncated checkpoint": (lambda t, d, s, c: eval_lm(d, c), "damaged or truncated", truncated),
+    "eval-lm: checkpoint asking for code": (lambda t, d, s, c: eval_lm(d, c), "refused to read checkpoint",
+                                            asking_for_code),
+    "eval-lm: another dictionary": (lambda t, d, s, c: eval_lm(d, CHECKPOINT),
+                                    "the checkpoint does not fit the data-bin's dictionary", None),
+    "eval-lm: no such split": (lambda t, d, s, c: eval_lm(a_split_short(t), CHECKPOINT, "--gen-subset", "valid"),
+                               "has no 'valid' split", None),
+    "interactive: no such data-bin": (lambda t, d, s, c: interactive(t / "no-such-dir", CHECKPOINT),
+                                      "is not a fairseq data-bin", None),
+    "interactive: no such checkpoint": (lambda t, d, s, c: interactive(SAVED, t / "nope.pt"), "does not exist", None),
+    "interactive: truncated checkpoint": (lambda t, d, s, c: interactive(SAVED, c), "damaged or truncated",
+                                          truncated),
+    "generate: no such data-bin": (lambda t, d, s, c: generate(t / "no-such-dir", CHECKPOINT),
+                                   "is not a fairseq data-bin", None),
+    "generate: checkpoint asking for code": (lambda t, d, s, c: generate(SAVED, c), "refused to read checkpoint",
+                                             asking_for_code),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_to_a_stock_command_is_one_line(case, data_bin, tmp_path):
+    command, expected, bad_file = CASES[case]
+    checkpoint, save_dir = tmp_path / "bad.pt", tmp_path / "checkpoints" / "run"
+    if bad_file:
+        bad_file(checkpoint)
+    before = checkpoint.read_bytes() if bad_file else None
+    proc = run(command(tmp_path, data_bin, save_dir, checkpoint), cwd=tmp_path, check=False, input="hello\n")
+    reports = [line for line in proc.stderr.splitlines() if line.startswith("kerple_fairseq: error: ")]
+    assert proc.returncode != 0 and len(reports) == 1 and expected in reports[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and not any(EXCEPTION_LINE.match(line) for line in proc.stderr.splitlines())
+    assert not (tmp_path / "checkpoints").exists(), "the refused run left its --save-dir behind"
+    assert (checkpoint.read_bytes() if bad_file else None) == before
+
+
+def test_a_run_that_saves_makes_its_save_dir(data_bin, tmp_path):
+    """The counterpart: --save-dir, several folders deep, is made when the first checkpoint is saved."""
+    save_dir = tmp_path / "a" / "b" / "run"
+    run([BIN / "fairseq-train", data_bin, *TRAIN_FLAGS, *ARCH, "--max-update", "2", "--save-dir", save_dir], cwd=tmp_path)
+    assert (save_dir / "checkpoint_last.pt").is_file()
+
+
+HUB_WITHOUT_IMPORT = """
+import sys
+from fairseq.models.transformer_lm import TransformerLanguageModel
+lm = TransformerLanguageModel.from_pretrained(sys.argv[1], "alibi.pt", sys.argv[1], user_dir=sys.argv[2])
+assert "kerple_fairseq" in sys.modules
+print(type(lm.models[0]).__name__, type(lm.models[0].decoder.setup.bias.kernel).__name__)
+"""
+
+
+def test_the_hub_interface_loads_a_plugin_checkpoint_given_the_plugin_folder(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", HUB_WITHOUT_IMPORT, str(SAVED), str(REPO / "kerple_fairseq")],
+                          cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["KernelBiasedLanguageModel", "AlibiKernel"], proc.stdout
