@@ -221,7 +221,9 @@ def leaderboard(curves: List[Tuple[str, str, str, Sequence[int], Sequence[float]
         row[0].set_ylabel("validation perplexity")
     for ax in axes[-1]:
         ax.set_xlabel("evaluation length L")
-    fig.suptitle("Mean over seeds; shaded: the smallest to the largest seed; dashed grey: the reference in other "
-                 "families' panels; dotted: the training length", fontsize=10)
+    seeds = ("Mean over seeds; shaded: the smallest to the largest seed" if any(list(low) != list(high) for
+             *_, low, high in curves) else "One seed")
+    fig.suptitle(f"{seeds}; dashed grey: the reference in other families' panels; dotted: the training length",
+                 fontsize=10)
     fig.tight_layout()
     _save(fig, path)
