@@ -143,7 +143,7 @@ def test_fairseq_train_restoring_a_payload_checkpoint_runs_nothing(payload_check
     assert not marker.exists()
     errors = [line for line in proc.stderr.splitlines() if "error" in line]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert len(errors) == 1 and "refused to read a checkpoint: it asks for the Python object" in errors[0], errors
+    assert len(errors) == 1 and f"refused to read checkpoint {paths[3]}: it asks for the Python object" in errors[0], errors
 
 
 @pytest.mark.slow  # starts the commands

@@ -55,7 +55,8 @@ def test_every_model_is_trained_once_per_seed(comparison):
 @pytest.mark.slow
 def test_analyses_group_the_seeds_of_each_model(comparison):
     runs, _ = comparison
-    evaluations = {(name, seed): json.loads((runs / f"{name}-seed{seed}" / "eval.json").read_text())
+    label = {"nope": "NoPE", "alibi": "ALiBi"}  # the analyses name the models as the tables do
+    evaluations = {(label[name], seed): json.loads((runs / f"{name}-seed{seed}" / "eval.json").read_text())
                    for name in ("nope", "alibi") for seed in (3, 4)}
     rows = {(r["model"], r["protocol"], int(r["length"])): r
             for r in csv.DictReader(open(runs / "analysis" / "extrapolation.csv"))}
@@ -67,14 +68,14 @@ def test_analyses_group_the_seeds_of_each_model(comparison):
         assert (float(row["min"]), float(row["max"])) == (min(ppl), max(ppl))
         for k, comparison_of_run in enumerate(c for c in result["comparisons"]
                                               if (c["protocol"], c["length"]) == (protocol, length)):
-            assert comparison_of_run["labels"] == ["nope", "alibi"] and comparison_of_run["replicate"] == k + 1
-            assert comparison_of_run["perplexities"][["nope", "alibi"].index(name)] == pytest.approx(ppl[k], rel=1e-4)
+            assert comparison_of_run["labels"] == ["NoPE", "ALiBi"] and comparison_of_run["replicate"] == k + 1
+            assert comparison_of_run["perplexities"][["NoPE", "ALiBi"].index(name)] == pytest.approx(ppl[k], rel=1e-4)
     assert len(rows) == 2 * 2 * len(LENGTHS)
     assert {(s["protocol"], s["length"], s["runs"]) for s in result["across_seeds"]} == {
         (p, n, 2) for p in ("early-token-cursed", "last-token") for n in LENGTHS}
     # the model analyses draw each model's first seed
     kernels = {r["model"] for r in csv.DictReader(open(runs / "analysis" / "kernels.csv"))}
-    assert kernels == {"nope", "alibi"}
+    assert kernels == {"NoPE", "ALiBi"}
 
 
 @pytest.mark.slow

@@ -160,9 +160,10 @@ def analyse(args: argparse.Namespace, data_bin: Path, checkpoints: Dict[Run, Pat
     perplexity against length and the paired comparison from the evaluation's files of every run (a
     model's seeds under its name), then the five model analyses of each model's first seed."""
     out = args.out / "analysis"
-    every_run = ["--labels", *(name for name, _ in checkpoints), "--out", out]
+    label = {name: POSITION_ENCODINGS[name].label for name, _ in checkpoints}  # as in the tables
+    every_run = ["--labels", *(label[name] for name, _ in checkpoints), "--out", out]
     first = {name: c for (name, seed), c in checkpoints.items() if seed == args.seeds[0]}
-    paths = ["--path", *first.values(), "--labels", *first, "--out", out]
+    paths = ["--path", *first.values(), "--labels", *(label[name] for name in first), "--out", out]
     on_data = [data_bin, "--length", max(args.eval_lengths), "--cpu", "--no-progress-bar", "--max-tokens", "16384"]
     analyses = [
         ["extrapolation", "--path", *(c.parent / "eval.json" for c in checkpoints.values()), *every_run],
