@@ -39,6 +39,7 @@ FLEX_METHODS = {name: (name, ["--attn-window", "9"] if name == "window" else [])
 FLEX_METHODS.update({
     "rotary": ("none", ["--rotary-embeddings"]),
     "xpos": ("none", ["--rotary-embeddings", "--rotary-xpos"]),
+    "p-rope": ("none", ["--rotary-embeddings", "--rotary-fraction", "0.5"]),
     "rotary-dynamic-ntk": ("none", ["--rotary-embeddings", "--rotary-scaling", "dynamic-ntk",
                                     "--dynamic-ntk-step", "8", "--tokens-per-sample", "16"]),
     "fire": ("fire", ["--fire-threshold", "4"]),

@@ -307,7 +307,7 @@ def test_readme_lists_every_kernel_method_and_option():
 
     readme = (REPO / "README.md").read_text()
     scalings = [f"--rotary-scaling {name}" for name in ROTARY_SCALINGS if name != "none"]
-    for name in [*KERNELS, *LAYER_BIASES, "--rotary-xpos", *scalings]:
+    for name in [*KERNELS, *LAYER_BIASES, "--rotary-xpos", "--rotary-fraction p", *scalings]:
         assert f"| `{name}` |" in readme, f"README's method table lacks {name}"
     for method in ATTENTION_METHODS.values():
         for flags in method.command_lines().values():

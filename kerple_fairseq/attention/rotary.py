@@ -34,17 +34,28 @@ class RotaryEmbedding(nn.Module):
     KERPLE's and Sandwich's rotary baselines use). Angles are computed in
     float64, their cosines and sines cast once to the activations' dtype. No
     parameters: checkpoints are unchanged by it.
+
+    p-RoPE (Barbero et al., ICLR 2025, "Round and Round We Go! What makes Rotary Positional Encodings
+    useful?"): ``fraction`` ``p`` rotates the first ``floor(p D / 2)`` pairs, those of the highest
+    frequencies, with their usual ``theta_k``, and leaves the others unrotated (``theta_k = 0``):
+    ``p = 1`` is RoPE, ``p = 0`` no position at all (NoPE).
     """
 
     def __init__(self, head_dim: int, xpos: bool = False, xpos_scale_base: float = XPOS_SCALE_BASE,
                  scaling: str = "none", train_length: int = 0, scaling_length: int = 0,
-                 dynamic_step: int = DYNAMIC_NTK_STEP, rerope_window: int = 0, rerope_leak: float = REROPE_LEAK):
+                 dynamic_step: int = DYNAMIC_NTK_STEP, rerope_window: int = 0, rerope_leak: float = REROPE_LEAK,
+                 fraction: float = 1.0):
         super().__init__()
         if head_dim % 2:
             raise KernelConfigError(f"rotary embeddings need an even head dimension, got {head_dim}")
         if xpos_scale_base <= 0:
             raise KernelConfigError(f"--xpos-scale-base must be > 0, got {xpos_scale_base}")
+        if not 0.0 <= fraction <= 1.0:
+            raise KernelConfigError(f"--rotary-fraction must be in [0, 1] (1: every pair rotated), got {fraction}")
+        if fraction < 1.0 and xpos:
+            raise KernelConfigError("--rotary-fraction is for plain rotary models, not with --rotary-xpos")
         self.head_dim = head_dim
+        self.rotated_pairs = int(fraction * head_dim // 2)
         self.xpos = xpos
         self.xpos_scale_base = float(xpos_scale_base)
         if dynamic_step < 1:
@@ -105,7 +116,13 @@ class RotaryEmbedding(nn.Module):
 
     def inverse_frequencies(self, s: float, device=None) -> Tensor:
         """``theta_k`` of each pair ``k``, float64 ``[D/2]``: ``b^(-2k/D)`` with NTK's base
-        ``b' = b s^(D / (D - 2))``, or YaRN's ramp between ``theta_k`` and ``theta_k / s``."""
+        ``b' = b s^(D / (D - 2))``, or YaRN's ramp between ``theta_k`` and ``theta_k / s``; 0 for the
+        pairs p-RoPE leaves unrotated."""
+        theta = self._scaled_frequencies(s, device)
+        theta[self.rotated_pairs:] = 0.0
+        return theta
+
+    def _scaled_frequencies(self, s: float, device=None) -> Tensor:
         dim = self.head_dim
         k = torch.arange(dim // 2, dtype=torch.float64, device=device)
         base = ROTARY_BASE

@@ -134,6 +134,17 @@ def _make_config():
         ),
         ("xpos_scale_base", float, field(default=512.0, metadata={"help": "xPos: the decay's scale base"})),
         (
+            "rotary_fraction",
+            float,
+            field(
+                default=1.0,
+                metadata={
+                    "help": "p-RoPE: rotate the fraction p of the frequency pairs with the highest frequencies "
+                    "and leave the rest unrotated (1: rotary, 0: NoPE)"
+                },
+            ),
+        ),
+        (
             "rotary_scaling",
             ChoiceEnum(list(ROTARY_SCALINGS)),
             field(

@@ -93,7 +93,8 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
                                scaling_length=safe_getattr(args, "rotary_scaling_length", 0),
                                dynamic_step=safe_getattr(args, "dynamic_ntk_step", DYNAMIC_NTK_STEP),
                                rerope_window=safe_getattr(args, "rerope_window", 0),
-                               rerope_leak=safe_getattr(args, "rerope_leak", REROPE_LEAK))
+                               rerope_leak=safe_getattr(args, "rerope_leak", REROPE_LEAK),
+                               fraction=safe_getattr(args, "rotary_fraction", 1.0))
         if rotary else None,
         block_size=block_size,
         backend=attention_backend(args),

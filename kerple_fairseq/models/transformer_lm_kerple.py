@@ -60,7 +60,8 @@ def check_positions(args) -> None:
                                         "transformer_lm_kerple has neither on)")
     rotary = any(entry.rotary for entry in plan) if plan else args.rotary_embeddings
     for flag, on in (("--rotary-xpos", safe_getattr(args, "rotary_xpos", False)),
-                     ("--rotary-scaling", safe_getattr(args, "rotary_scaling", "none") != "none")):
+                     ("--rotary-scaling", safe_getattr(args, "rotary_scaling", "none") != "none"),
+                     ("--rotary-fraction", safe_getattr(args, "rotary_fraction", 1.0) != 1.0)):
         if on and not rotary:
             raise KernelConfigError(f"{flag} changes rotary embeddings: add --rotary-embeddings "
                                     "(or use --arch transformer_lm_rotary)")
