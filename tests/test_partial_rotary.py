@@ -11,7 +11,7 @@ from kerple_fairseq.errors import KernelConfigError
 from helpers import tiny_model
 from test_decoding_paths_of_newer_methods import beam_search_matches_full_scoring
 from test_layer_biases import log_probs, tokens_of
-from test_rotary_scaling import DIM, logit_reference
+from test_rotary_scaling import DIM, assert_logits_by_loops
 
 
 @pytest.mark.parametrize("fraction, rotated", [(0.25, 2), (0.5, 4), (0.75, 6), (0.3, 2)])
@@ -21,14 +21,7 @@ def test_partial_rotary_logits_equal_the_formula_by_loops(fraction, rotated):
     rotary = RotaryEmbedding(DIM, fraction=fraction)
     torch.testing.assert_close(rotary.inverse_frequencies(1.0), torch.tensor(frequencies, dtype=torch.float64),
                                rtol=0, atol=0)
-    torch.manual_seed(0)
-    q, k = torch.randn(6, DIM, dtype=torch.float64), torch.randn(20, DIM, dtype=torch.float64)
-    (q_rot,), (k_rot,) = rotary(q, offset=14), rotary(k, offset=0)
-    logits = q_rot @ k_rot.T
-    for t in range(6):
-        for s in range(20):
-            expected = logit_reference(q[t].tolist(), k[s].tolist(), 14 + t, s, frequencies)
-            assert abs(logits[t, s].item() - expected) < 1e-12, (t, s)
+    assert_logits_by_loops(rotary, frequencies)
 
 
 def partial(fraction, *flags):
