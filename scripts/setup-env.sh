@@ -29,6 +29,14 @@ fi
 # editable: every command (kerple-eval-lm, kerple-analyze, fairseq-train --user-dir kerple_fairseq) runs
 # this checkout's code, edits included
 "$py" -m pip install -q --no-build-isolation -e ".[test,plots]"
+# fairseq resolves `--user-dir kerple_fairseq` given outside this folder beside its own package: a link
+# there to this checkout's folder (the same files) lets that spelling work from any directory
+link="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kerple_fairseq"
+if [ -e "$link" ] && [ ! -L "$link" ]; then
+  echo "setup-env: error: $link is a copy of the plugin, not this checkout's: remove it and run again" >&2
+  exit 1
+fi
+ln -sfn "$(pwd)/kerple_fairseq" "$link"
 # fairseq's compiled parts must match the NumPy installed: a wheel pip cached from a build against
 # another NumPy does not load, and is rebuilt (and cached in its place)
 if ! "$py" -c "import fairseq.data.data_utils_fast, fairseq.data.token_block_utils_fast" 2>/dev/null; then

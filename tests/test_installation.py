@@ -3,6 +3,7 @@ and the registry's newest torchaudio (2.11.0, a CUDA build) does not load beside
 build; nothing fairseq imports for its tasks, models and criterions loads it, so only fairseq's
 speech tasks, which the plugin does not use, would notice."""
 
+import os
 import subprocess
 from pathlib import Path
 import sys
@@ -62,15 +63,16 @@ def kernel_files_loaded(command, cwd):
     command's Python loads, from ``python -v``'s record of each module's source."""
     proc = subprocess.run([sys.executable, "-v", *command], cwd=cwd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return sorted({line.split()[-1] for line in proc.stderr.splitlines()
+    return sorted({os.path.realpath(line.split()[-1]) for line in proc.stderr.splitlines()
                    if line.startswith("# ") and line.rstrip().endswith(("kerple_fairseq/kernels/alibi.py",
                                                                          "kerple_fairseq/__init__.py"))})
 
 
 def test_every_command_runs_the_checkout(tmp_path):
     """The package is installed editable (scripts/setup-env.sh), so the console scripts and fairseq's
-    ``--user-dir kerple_fairseq`` load the same files, this checkout's: an edit to a kernel is seen by
-    every command at once. Run from outside the checkout, where a relative import cannot help."""
+    ``--user-dir`` (a path, or ``kerple_fairseq`` from any directory) load the same files, this
+    checkout's: an edit to a kernel is seen by every command at once. Run from outside the checkout,
+    where a relative import cannot help."""
     import json
     import sysconfig
     from importlib import metadata
@@ -83,6 +85,7 @@ def test_every_command_runs_the_checkout(tmp_path):
     bin_dir = Path(sys.executable).parent
     expected = [str(REPO / "kerple_fairseq" / "__init__.py"), str(REPO / "kerple_fairseq" / "kernels" / "alibi.py")]
     for command in ([str(bin_dir / "kerple-eval-lm"), "--help"], [str(bin_dir / "kerple-analyze"), "--help"],
-                    [str(bin_dir / "fairseq-train"), "--user-dir", str(REPO / "kerple_fairseq"),
-                     "--task", "language_modeling", "--arch", "transformer_lm_kerple", "--help"]):
+                    *([str(bin_dir / "fairseq-train"), "--user-dir", user_dir, "--task", "language_modeling",
+                       "--arch", "transformer_lm_kerple", "--help"] for user_dir in (str(REPO / "kerple_fairseq"),
+                                                                                     "kerple_fairseq"))):
         assert kernel_files_loaded(command, tmp_path) == expected, command[0]
