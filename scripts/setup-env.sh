@@ -25,7 +25,7 @@ fi
 # Pinned: an unpinned torch resolves to a multi-GB CUDA build. NumPy: what pip resolves (NumPy 2 today).
 "$py" -m pip install -q "torch==2.13.0" numpy cython
 # fairseq's build imports torch, so build it against the torch above (no isolated build env,
-# which would fetch another torch). setup.py picks fairseq-fixed on Python 3.11+.
+# which would fetch another torch). setup.py asks for fairseq-fixed, fairseq 0.12.2's rebuild.
 # editable: every command (kerple-eval-lm, kerple-analyze, fairseq-train --user-dir kerple_fairseq) runs
 # this checkout's code, edits included
 "$py" -m pip install -q --no-build-isolation -e ".[test,plots]"

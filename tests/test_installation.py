@@ -5,8 +5,8 @@ speech tasks, which the plugin does not use, would notice."""
 
 import os
 import subprocess
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import pytest
 

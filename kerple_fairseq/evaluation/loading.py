@@ -6,7 +6,7 @@ from typing import Dict, Optional
 
 import torch
 from fairseq import checkpoint_utils, utils
-from fairseq.data import Dictionary, data_utils
+from fairseq.data import data_utils
 from fairseq.modules import LearnedPositionalEmbedding
 
 from kerple_fairseq.errors import KernelConfigError, UsageError, first_line
