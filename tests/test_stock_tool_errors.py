@@ -133,3 +133,16 @@ def test_the_hub_interface_loads_a_plugin_checkpoint_given_the_plugin_folder(tmp
                           cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["KernelBiasedLanguageModel", "AlibiKernel"], proc.stdout
+
+
+def test_a_save_dir_that_cannot_be_written_is_not_left_behind(tmp_path):
+    """fairseq's check makes the folder, then fails to write its test file: the folders it made go again."""
+    from kerple_fairseq.training.save_dir import _leaving_nothing
+
+    def unwritable(save_dir):
+        os.makedirs(save_dir)
+        raise PermissionError(f"cannot write in {save_dir}")
+
+    with pytest.raises(PermissionError):
+        _leaving_nothing(unwritable)(str(tmp_path / "checkpoints" / "run"))
+    assert not (tmp_path / "checkpoints").exists()

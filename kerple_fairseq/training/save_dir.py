@@ -19,9 +19,11 @@ def _leaving_nothing(stock):
         while folder and not os.path.exists(folder):
             made.append(folder)
             folder = os.path.dirname(folder)
-        stock(save_dir)
-        for folder in made:  # the deepest first, each empty again
-            os.rmdir(folder)
+        try:
+            stock(save_dir)
+        finally:  # also when the folder cannot be written to
+            for folder in made:  # the deepest first, each empty again
+                os.rmdir(folder)
 
     verify_checkpoint_directory.kerple_fairseq = True
     return verify_checkpoint_directory
