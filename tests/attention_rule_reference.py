@@ -87,6 +87,18 @@ def ssmax_logits(z, s, first_position=0, window=0):
     return stack(rows)
 
 
+def bam_prior(shape, log_scale, loc, length, window=0):
+    """BAM's prior of one head by loops (Bianchessi et al., ICLR 2026; its code's ``AttentionPrior``):
+    ``-e^s (|(j - i) - 2 sinh(l)| + 1e-5)^beta`` for the keys query ``i`` attends to, ``-inf`` elsewhere;
+    ``shape``, ``log_scale`` and ``loc`` 0-dimensional float64 tensors."""
+    rows = []
+    for i in range(length):
+        rows.append([-torch.exp(log_scale) * (torch.abs((j - i) - 2 * torch.sinh(loc)) + 1e-5) ** shape
+                     if j <= i and (not window or i - j < window) else loc.new_tensor(NEG_INF)
+                     for j in range(length)])
+    return stack(rows)
+
+
 def llama4_query_temperature(position, beta=0.1, floor_scale=8192):
     """Llama 4's inference-time factor on the query at 0-based ``position`` (transformers'
     ``modeling_llama4``: ``log1p(floor((position + 1) / floor_scale)) * attn_scale + 1``): 1 below
@@ -132,10 +144,11 @@ def rotary_logit(q, k, distance, theta):
     return total / math.sqrt(q.shape[0])
 
 
-def rerope_logits(q, k, window, leak=None, base=10000.0):
+def rerope_logits(q, k, window, leak=None, base=10000.0, train_length=None):
     """ReRoPE (Su, 2023; bojone/rerope): rotary logits with the relative position ``d = i - j`` kept
-    below ``window`` and set to ``window`` from it on; leaky (``leak = k``): ``window + (d - window) / k``.
-    ``q``, ``k``: ``[T, D]`` of one head, unrotated; ``-inf`` above the diagonal."""
+    below ``window`` and set to ``window`` from it on; leaky (``leak = k``): ``window + (d - window) / k``;
+    with ``train_length`` L, the query at ``i`` times ``max(1, log(i + 1) / log L)``, as the reference's
+    patches scale it. ``q``, ``k``: ``[T, D]`` of one head, unrotated; ``-inf`` above the diagonal."""
     length, dim = q.shape
     theta = [base ** (-2.0 * p / dim) for p in range(dim // 2)]
     rows = []
@@ -148,6 +161,7 @@ def rerope_logits(q, k, window, leak=None, base=10000.0):
             d = i - j
             if d >= window:
                 d = window if leak is None else window + (d - window) / leak
-            row.append(rotary_logit(q[i], k[j], d, theta))
+            scale = 1.0 if train_length is None else max(1.0, math.log(i + 1) / math.log(train_length))
+            row.append(rotary_logit(q[i] * scale, k[j], d, theta))
         rows.append(row)
     return stack(rows)

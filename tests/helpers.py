@@ -44,6 +44,7 @@ FLEX_METHODS.update({
                                     "--dynamic-ntk-step", "8", "--tokens-per-sample", "16"]),
     "fire": ("fire", ["--fire-threshold", "4"]),
     "ssmax": ("none", ["--rotary-embeddings", "--ssmax"]),
+    "bam-ssmax": ("bam", ["--ssmax"]),  # the bias scaled row by row
     "kerple_log-temperature": ("kerple_log", ["--attn-temperature-tuning", "--attn-temperature-floor-scale", "8"]),
 })
 

@@ -1,7 +1,7 @@
 """Independent float64 implementations of the kernel formulas, written as plain loops.
 
 Nothing here calls the package: the formulas are restated from the papers (ALiBi §3 and Sandwich
-eq. 3 for the slopes, KERPLE §4, §5.3 and Appendix A.3, T5 §2.1, Sandwich §6) and evaluated one
+eq. 3 for the slopes, KERPLE §4, §5.3 and Appendix A.3, T5 §2.1, Sandwich §6, BAM §2.3) and evaluated one
 ``(head, distance)`` at a time in Python floats.
 
 :data:`KERNEL_REFERENCES` has one entry per registered kernel: ``entry(kernel, options)`` reads the
@@ -155,6 +155,11 @@ def sandwich_smoothed(num_heads, dim, points):
 
 def no_bias():
     return lambda h, d: 0.0
+
+
+def bam(shape, log_scale, loc, eps=1e-5):
+    """BAM's prior with the query at i, the key at j = i - d: -e^s (|(j - i) - 2 sinh(l)| + eps)^beta."""
+    return lambda h, d: -math.exp(log_scale[h]) * (abs(-d - 2.0 * math.sinh(loc[h])) + eps) ** shape[h]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -311,6 +316,14 @@ def sandwich_smoothed_reference(kernel, options):
     0..N-1, D = 128 and N = 50 unless given."""
     dim, points = options.get("sandwich_dim", 128), options.get("sandwich_fit_distances", 50)
     return sandwich_smoothed(kernel.num_heads, dim, points), None
+
+
+@reference_for("bam")
+def bam_reference(kernel, options):
+    """BAM (Bianchessi et al., ICLR 2026) §2.3 in its reference code's form, from the stored shape, log-scale
+    and location."""
+    stored = [getattr(kernel, name).detach().double().tolist() for name in ("shape", "scale", "loc")]
+    return bam(*stored), None
 
 
 def assert_matches(actual, expected, rtol=2e-6, atol=1e-5):

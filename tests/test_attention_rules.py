@@ -11,8 +11,8 @@ import torch
 from kerple_fairseq.attention.self_attention import recorded
 from kerple_fairseq.errors import KernelConfigError
 
-from attention_rule_reference import (llama4_query_temperature, rerope_logits, selective_logits, ssmax_logits,
-                                      stick_breaking)
+from attention_rule_reference import (bam_prior, llama4_query_temperature, rerope_logits, selective_logits,
+                                      ssmax_logits, stick_breaking)
 from helpers import tiny_model
 from test_layer_biases import log_probs, method_id, tokens_of
 
@@ -113,8 +113,35 @@ def test_ssmax_logits_and_scale_gradients_equal_the_loops(window):
     assert_equal_with_gradients(before_softmax(attention, x), reference, [x, *parameters])
 
 
+@pytest.mark.parametrize("scope", ["logits", "queries"])
+@pytest.mark.parametrize("window", [0, 3])
+def test_ssmax_over_bam_scales_the_bias_as_its_scope_says(window, scope):
+    """``logits`` (the default, SSMax's paper and BAM's code): ``s log(n) (q.k + B)``; ``queries``:
+    ``s log(n) q.k + B``; gradients of BAM's shape, scale and location included."""
+    attention, x, parameters = attention_of("bam", "--ssmax", "--ssmax-scope", scope, "--attn-window", str(window))
+    kernel = attention.setup.bias.kernel
+    with torch.no_grad():
+        kernel.shape.copy_(torch.tensor([1.3, -0.4, 0.7, 2.2]))
+        kernel.loc.copy_(torch.tensor([0.0, -0.6, 0.3, -1.5]))
+        kernel.scale.add_(0.5)
+    scale = attention.query_scales[0].scale
+    q, k, _ = raw_qkv(attention, x)
+    rows = []
+    for b in range(BATCH):
+        per_head = []
+        for h in range(attention.num_heads):
+            z = causal_logits(q[b, h], k[b, h], window)
+            prior = bam_prior(kernel.shape[h], kernel.scale[h], kernel.loc[h], LENGTH, window)
+            per_head.append(ssmax_logits(z + prior, scale[h], window=window) if scope == "logits"
+                            else ssmax_logits(z, scale[h], window=window) + prior)
+        rows.append(torch.stack(per_head))
+    assert_equal_with_gradients(before_softmax(attention, x), torch.stack(rows),
+                                [x, *parameters, *kernel.parameters()])
+
+
 def test_llama4_temperature_scales_the_queries_from_its_floor_on():
     attention, x, parameters = attention_of("none", "--rotary-embeddings", "--attn-temperature-tuning",
+                                            "--attn-temperature-layers", "all",
                                             "--attn-temperature-floor-scale", "3", "--attn-temperature-scale", "0.7")
     q, k, _ = raw_qkv(attention, x)
     factors = torch.tensor([llama4_query_temperature(i, beta=0.7, floor_scale=3) for i in range(LENGTH)],
@@ -140,14 +167,31 @@ def test_selective_logits_equal_the_loops(window):
     assert_equal_with_gradients(ours, reference, [x, *parameters])
 
 
+@pytest.mark.parametrize("query_scale", ["log", "none"])
 @pytest.mark.parametrize("scaling, leak", [("rerope", None), ("leaky-rerope", 2.5)])
-def test_rerope_logits_equal_the_loops(scaling, leak):
-    flags = ["--rotary-embeddings", "--rotary-scaling", scaling, "--rerope-window", "3", "--tokens-per-sample", "4"]
+def test_rerope_logits_equal_the_loops(scaling, leak, query_scale):
+    """With the reference's query scale (the default) beyond the training length of 4, and without it."""
+    flags = ["--rotary-embeddings", "--rotary-scaling", scaling, "--rerope-window", "3", "--tokens-per-sample", "4",
+             "--rerope-query-scale", query_scale]
     attention, x, parameters = attention_of("none", *flags, *(["--rerope-leak", str(leak)] if leak else []))
     q, k, _ = raw_qkv(attention, x)
-    reference = torch.stack([torch.stack([rerope_logits(q[b, h], k[b, h], 3, leak) for h in range(attention.num_heads)])
-                             for b in range(BATCH)])
+    train_length = 4 if query_scale == "log" else None
+    reference = torch.stack([torch.stack([rerope_logits(q[b, h], k[b, h], 3, leak, train_length=train_length)
+                                          for h in range(attention.num_heads)]) for b in range(BATCH)])
     assert_equal_with_gradients(before_softmax(attention, x), reference, [x, *parameters])
+
+
+def test_rerope_scales_queries_by_default_as_the_reference_does():
+    """bojone/rerope's patches: queries times max(1, log(i + 1) / log L_train); 1 up to the training length."""
+    flags = ["--rotary-embeddings", "--rotary-scaling", "rerope", "--rerope-window", "3", "--tokens-per-sample", "4"]
+    attention, x, _ = attention_of("none", *flags)
+    default = before_softmax(attention, x)
+    attention.setup.rotary.rerope_query_scale = "none"
+    unscaled = before_softmax(attention, x)
+    factor = torch.tensor([max(1.0, math.log(i + 1) / math.log(4)) for i in range(LENGTH)], dtype=torch.float64)
+    finite = torch.isfinite(unscaled)
+    torch.testing.assert_close(default[finite], (unscaled * factor[:, None])[finite], rtol=0, atol=1e-12)
+    assert factor[3] == 1 and factor[4] > 1
 
 
 def test_rerope_window_defaults_to_a_quarter_of_the_training_length():
@@ -176,12 +220,28 @@ def test_ssmax_has_a_scale_per_head_in_each_layer_and_changes_nothing_else():
      "--rerope-leak must be > 1, got 1.0"),
     (["--rotary-embeddings", "--rotary-scaling", "rerope", "--rerope-window", "-2", "--tokens-per-sample", "8"],
      "--rerope-window must be >= 0"),
+    (["--rotary-embeddings", "--rotary-scaling", "rerope", "--tokens-per-sample", "1"],
+     "it needs --tokens-per-sample >= 2 \\(or --rerope-query-scale none\\)"),
     (["--ssmax", "--ssmax-scale-init", "nan"], "--ssmax-scale-init must be a finite number"),
     (["--attn-temperature-tuning", "--attn-temperature-floor-scale", "0"], "--attn-temperature-floor-scale must be >= 1"),
+    (["--rotary-embeddings", "--attn-temperature-tuning"],
+     "this model has no layer where --attn-temperature-tuning acts: it acts in the layers without rotary embeddings "
+     "only \\(Llama 4's rule; --attn-temperature-layers all: in every layer\\)"),
+    (["--layer-positions", "rotary+attn_temperature,nope"],
+     "--layer-positions names attn_temperature in a layer where it does not act"),
 ])
 def test_bad_options_are_clear_errors(flags, message):
     with pytest.raises(KernelConfigError, match=message):
         tiny_model("none", *flags)
+
+
+def test_an_unknown_ssmax_scope_is_a_clear_error():
+    """The command line's choices refuse it first; a configuration built otherwise (Hydra, a checkpoint's)
+    is refused by the method."""
+    from kerple_fairseq.attention.methods.ssmax import ScalableSoftmax
+
+    with pytest.raises(KernelConfigError, match="--ssmax-scope must be one of logits, queries, got 'bias'"):
+        ScalableSoftmax(4, ssmax_scope="bias")
 
 
 # ---------------------------------------------------------------- in the model
@@ -194,6 +254,7 @@ CASES = [  # (bias kernel, flags): each rule alone and over a kernel
     ("none", ["--rotary-embeddings", "--ssmax"]),
     ("kerple_log", ["--ssmax", "--attn-temperature-tuning", "--attn-temperature-floor-scale", "4"]),
     ("none", ["--rotary-embeddings", "--rotary-scaling", "rerope", "--rerope-window", "5", "--tokens-per-sample", "8"]),
+    ("bam", ["--ssmax", "--ssmax-scale-init", "1"]),
     ("none", ["--rotary-embeddings", "--rotary-scaling", "leaky-rerope", "--rerope-window", "5", "--rerope-leak", "3",
               "--tokens-per-sample", "8"]),
 ]
@@ -217,14 +278,15 @@ def test_the_rule_changes_what_the_model_computes(case):
     assert (log_probs(model, tokens) - log_probs(without, tokens)).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("scope", ["logits", "queries"])
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
-def test_query_scales_are_served_by_the_fused_backends(monkeypatch, backend):
-    """Scalable softmax and the temperature scale the queries: sdpa and FlexAttention (eager here;
-    compiled: test_flex_attention.py) attend as the explicit path does."""
+def test_query_scales_are_served_by_the_fused_backends(monkeypatch, backend, scope):
+    """Scalable softmax and the temperature scale the queries (and SSMax the bias, row by row): sdpa
+    and FlexAttention (eager here; compiled: test_flex_attention.py) attend as the explicit path does."""
     from kerple_fairseq.attention import flex
 
     monkeypatch.setattr(flex, "COMPILED", False)
-    flags = ["--ssmax", "--attn-temperature-tuning", "--attn-temperature-floor-scale", "4"]
+    flags = ["--ssmax", "--ssmax-scope", scope, "--attn-temperature-tuning", "--attn-temperature-floor-scale", "4"]
     torch.manual_seed(0)
     fused = tiny_model("kerple_log", *flags, "--attention-backend", backend).eval()
     explicit = tiny_model("kerple_log", *flags, "--attention-backend", "explicit").eval()

@@ -19,10 +19,10 @@ CUDA = torch.device("cuda")
 BACKENDS = ["flex", "sdpa", "explicit"]
 #: methods checked in half precision, at 4096 tokens and in decoding (every one in float32)
 FEW = ["alibi", "kerple_log", "kerple_bias_wht", "fire", "fox"]
-#: methods with a layer's own term, which FlexAttention serves on CUDA only without gradients
-#: (:func:`~kerple_fairseq.attention.attend.flex_serves`): asked for in training, another backend
+#: methods with a layer's own term or a bias SSMax scales row by row, which FlexAttention serves on CUDA only
+#: without gradients (:func:`~kerple_fairseq.attention.attend.flex_serves`): asked for in training, another backend
 #: serves them, and FlexAttention is compared in decoding and with padding
-NO_FLEX_BACKWARD = {"fox", "fox_bias_only", "fire"}
+NO_FLEX_BACKWARD = {"fox", "fox_bias_only", "fire", "bam-ssmax"}
 #: the tiny models with heads of 16 dimensions, the fewest FlexAttention's CUDA kernels take
 HEADS_OF_16 = ("--decoder-attention-heads", "2")
 

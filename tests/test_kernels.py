@@ -38,6 +38,9 @@ VARIANTS = {
     "kerple_log": [{}, {"kernel_parameterization": "softplus"}],
     "kerple_power": [{}, {"kernel_parameterization": "softplus"}],
     "kerple_bias_wht": [{}, {"kernel_parameterization": "softplus"}],
+    # negative shapes (heads favouring distant keys), a numeric scale, a location off zero
+    "bam": [{}, {"bam_shape_init": -0.5, "bam_scale_init": "5", "bam_loc_init": -1.2},
+            {"bam_shape_init": 1.7, "bam_scale_init": 0.3, "bam_loc_init": 0.4}],
 }
 CASES = [(name, options) for name in sorted(KERNELS) for options in VARIANTS.get(name, [{}])]
 WEIGHT_KERNELS = sorted(name for name, cls in KERNELS.items() if cls.has_weight)
@@ -66,7 +69,7 @@ def case_id(case):
 
 def test_registry_lists_every_kernel():
     assert set(kernel_names()) == {
-        "alibi", "alibi_rf", "gauss_bias2", "gauss_bias3", "gauss_wht1", "gauss_wht2", "kerple_bias_wht",
+        "alibi", "alibi_rf", "bam", "gauss_bias2", "gauss_bias3", "gauss_wht1", "gauss_wht2", "kerple_bias_wht",
         "kerple_log", "kerple_log3", "kerple_power", "none", "sandwich", "sandwich_smoothed", "t5", "window"}
     assert WEIGHT_KERNELS == ["gauss_wht1", "gauss_wht2", "kerple_bias_wht"]
 
@@ -280,10 +283,53 @@ def test_unknown_kernel_is_a_clear_error():
     ("alibi_rf", {"alibi_rf_rho": 0.0}, "--alibi-rf-rho must be a finite number above"),
     ("alibi_rf", {"alibi_rf_decay": "cubic"}, "--alibi-rf-decay must be one of"),
     ("alibi", {"alibi_shift": math.inf}, "--alibi-shift must be a finite number"),
+    ("bam", {"bam_scale_init": "wide"}, "--bam-scale-init must be slope or a finite number > 0"),
+    ("bam", {"bam_scale_init": "-2"}, "--bam-scale-init must be slope or a finite number > 0"),
+    ("bam", {"bam_shape_init": math.nan}, "--bam-shape-init must be a finite number"),
+    ("bam", {"bam_loc_init": math.inf}, "--bam-loc-init must be a finite number"),
 ])
 def test_out_of_range_option_is_a_clear_error(name, options, message):
     with pytest.raises(KernelConfigError, match=message):
         make(name, 8, options)
+
+
+def test_bam_starts_as_alibi_up_to_a_constant_per_head():
+    """The reference's initialisation (beta 1, ALiBi's slopes, location 0): ALiBi minus m_h * eps, which the
+    softmax ignores (to the float32 rounding of the stored log-slope)."""
+    distances = torch.arange(0, 3000, dtype=torch.float64)
+    bam, alibi = make("bam", 12).double(), make("alibi", 12).double()
+    slopes = torch.tensor(alibi_slopes(12), dtype=torch.float64)[:, None]
+    torch.testing.assert_close(bam(distances), alibi(distances) - slopes * 1e-5, rtol=1e-7, atol=1e-12)
+
+
+@pytest.mark.parametrize("heads", [3, 8])
+def test_bam_without_location_is_kerple_power_but_for_eps(heads):
+    """With mu = 0 and 0 < beta <= 2, BAM is KERPLE's power kernel with r1 = e^s and r2 = beta: equal to
+    float64 rounding with eps = 0, within eps's own effect (r1 * r2 * eps * d^(r2 - 1)) with it."""
+    torch.manual_seed(heads)
+    bam = make("bam", heads).double()
+    power = make("kerple_power", heads).double()
+    with torch.no_grad():
+        bam.shape.copy_(power.r2.clamp(0.01, 2.0))
+        bam.scale.copy_(power.r1.clamp(min=0.01).log())
+    distances = torch.arange(1, 5000, dtype=torch.float64)
+    with_eps = bam(distances)
+    bam.eps = 0.0
+    torch.testing.assert_close(bam(distances), power(distances), rtol=1e-12, atol=1e-12)
+    r1, r2 = power.r1.clamp(min=0.01)[:, None], power.r2.clamp(0.01, 2.0)[:, None]
+    bound = 1.01 * r1 * r2 * 1e-5 * torch.maximum(distances ** (r2 - 1), (distances + 1e-5) ** (r2 - 1))
+    assert ((with_eps - power(distances)).abs() <= bound).all()
+    # a location moves the peak: beta = 2 with mu = -m is greatest at d = m
+    with torch.no_grad():
+        bam.shape.fill_(2.0)
+        bam.loc.fill_(math.asinh(-7.0 / 2))
+    assert (bam(torch.arange(0, 20, dtype=torch.float64)).argmax(dim=1) == 7).all()
+
+
+def test_bam_negative_shapes_favour_distant_keys():
+    bam = make("bam", 4, {"bam_shape_init": -0.5})
+    bias = bam(torch.arange(0, 4096, dtype=torch.float32))
+    assert torch.isfinite(bias).all() and (bias.diff(dim=1) > 0).all()
 
 
 def test_every_kernel_documents_formula_and_paper_section():

@@ -38,6 +38,26 @@ def test_each_layer_gets_the_encoding_and_window_of_its_entry():
     assert setups[0] is setups[1] is setups[4] and setups[3] is not setups[0]
 
 
+@pytest.mark.parametrize("layers, expected", [("nope", [False, False, False, True, False, False]),
+                                               ("all", [True] * 6)])
+def test_llama4_temperature_acts_in_the_nope_layers_unless_asked_for_everywhere(layers, expected):
+    """Llama 4's iRoPE: rotary layers (here in a window) and global NoPE layers, the model-wide temperature in the
+    NoPE layers only (transformers' Llama4TextAttention), or in every layer with --attn-temperature-layers all."""
+    model = tiny_model("none", *LAYERS, "--layer-positions", "rotary@8,rotary@8,rotary@8,nope",
+                       "--attn-temperature-tuning", "--attn-temperature-layers", layers)
+    assert [any(isinstance(m, AttentionTemperature) for m in layer.self_attn.query_scales or ())
+            for layer in model.decoder.layers] == expected
+    assert [layer.self_attn.setup.rotary is None for layer in model.decoder.layers] == [
+        False, False, False, True, False, False]
+
+
+def test_a_gemma_layout_has_five_local_layers_to_one_global():
+    model = tiny_model("none", "--decoder-layers", "12", "--layer-positions",
+                       "rotary@8,rotary@8,rotary@8,rotary@8,rotary@8,rotary")
+    assert [(a.setup.bias.attention_window, a.setup.rotary is not None)
+            for a in (layer.self_attn for layer in model.decoder.layers)] == ([(8, True)] * 5 + [(0, True)]) * 2
+
+
 def test_a_kernel_named_twice_is_one_module_and_in_the_checkpoint_under_each_bias():
     model = tiny_model("none", "--layer-positions", "alibi@4,alibi")
     biases = model.decoder.attention_biases

@@ -50,7 +50,7 @@ RULE_RUNS = {
 #: how each rotary checkpoint is also evaluated
 ROTARY_EVALUATIONS = {"rerope": ["--rotary-scaling", "rerope"], "leaky-rerope": ["--rotary-scaling", "leaky-rerope"],
                       "llama4-temperature": ["--model-overrides", "{'attn_temperature_tuning': True, "
-                                             "'attn_temperature_floor_scale': 128}"]}
+                                             "'attn_temperature_floor_scale': 128, 'attn_temperature_layers': 'all'}"]}
 
 
 @pytest.mark.parametrize("run", sorted(RULE_RUNS))

@@ -227,6 +227,11 @@ class DistanceBlockBias:
     has_layer_term = False
 
     @property
+    def only_masks(self) -> bool:
+        """The bias is 0 wherever it is finite (no bias, a window): scaling it changes nothing."""
+        return not self.source.kernel.encodes_position
+
+    @property
     def per_head_parameters(self) -> bool:
         return self.source.kernel.per_head_parameters
 

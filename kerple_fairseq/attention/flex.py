@@ -83,6 +83,17 @@ def plus(score_mod: ScoreMod, term: ScoreTerm) -> ScoreMod:
     return lambda score, b, h, query, key: score_mod(score, b, h, query, key) + term(b, h, query, key)
 
 
+def rows_scaled(score_mod: ScoreMod, factor: Tensor) -> ScoreMod:
+    """``score_mod`` with its additive terms (its value at a zero score) multiplied by ``factor[h, query]``:
+    ``score * W + f B`` for ``score * W + B``."""
+    excess = (factor - 1).contiguous()
+
+    def score_mod_scaled(score, b, h, query, key):
+        return score_mod(score, b, h, query, key) + excess[h, query] * score_mod(torch.zeros_like(score), b, h,
+                                                                                  query, key)
+    return score_mod_scaled
+
+
 def masked(score_mod: ScoreMod, seen: Callable) -> ScoreMod:
     """``score_mod``'s score where ``seen``, else ``-inf``."""
     return lambda score, b, h, query, key: torch.where(seen(b, h, query, key), score_mod(score, b, h, query, key),

@@ -20,6 +20,7 @@ class LayerBlockBias:
 
     per_head_parameters = False
     has_layer_term = True
+    only_masks = False
 
     def __init__(self, base: DistanceBlockBias, layer_bias, first_position: int, state: Optional[Tensor]):
         self.base = base

@@ -18,6 +18,9 @@ RE_ROPE = ("rerope", "leaky-rerope")
 #: ReRoPE's window, as a fraction of the training length when --rerope-window is 0 (the reference's
 #: best reported window, 1024 on Llama 2 trained at 4096), and leaky ReRoPE's k (its reported k = 16)
 REROPE_WINDOW_FRACTION, REROPE_LEAK = 4, 16.0
+#: ReRoPE's query scale beyond the training length: ``log`` (the reference's ``max(1, log(i + 1) / log L_train)``)
+#: or ``none``
+REROPE_QUERY_SCALES = ("log", "none")
 #: dynamic NTK: positions per band of queries that share one scale
 DYNAMIC_NTK_STEP = 16
 #: YaRN's correction range: dimensions of more than 32 rotations over the training length are kept,
@@ -44,7 +47,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, xpos: bool = False, xpos_scale_base: float = XPOS_SCALE_BASE,
                  scaling: str = "none", train_length: int = 0, scaling_length: int = 0,
                  dynamic_step: int = DYNAMIC_NTK_STEP, rerope_window: int = 0, rerope_leak: float = REROPE_LEAK,
-                 fraction: float = 1.0):
+                 rerope_query_scale: str = "log", fraction: float = 1.0):
         super().__init__()
         if head_dim % 2:
             raise KernelConfigError(f"rotary embeddings need an even head dimension, got {head_dim}")
@@ -66,7 +69,11 @@ class RotaryEmbedding(nn.Module):
                                     f"got {rerope_window}")
         if not rerope_leak > 1:
             raise KernelConfigError(f"--rerope-leak must be > 1, got {rerope_leak}")
+        if rerope_query_scale not in REROPE_QUERY_SCALES:
+            raise KernelConfigError(f"--rerope-query-scale must be one of {', '.join(REROPE_QUERY_SCALES)}, "
+                                    f"got {rerope_query_scale!r}")
         self.rerope_window, self.rerope_leak = rerope_window, float(rerope_leak)
+        self.rerope_query_scale = str(rerope_query_scale)
         self.set_scaling(scaling, train_length, scaling_length)
 
     def set_scaling(self, scaling: str, train_length: int, scaling_length: int = 0) -> None:
@@ -79,6 +86,9 @@ class RotaryEmbedding(nn.Module):
             raise KernelConfigError(f"--rotary-scaling {scaling} needs the training length (--tokens-per-sample)")
         if scaling_length < 0:
             raise KernelConfigError(f"--rotary-scaling-length must be >= 0, got {scaling_length}")
+        if scaling in RE_ROPE and self.rerope_query_scale == "log" and train_length < 2:
+            raise KernelConfigError(f"--rotary-scaling {scaling} scales queries by log(i + 1) / log(training length): "
+                                    "it needs --tokens-per-sample >= 2 (or --rerope-query-scale none)")
         if scaling in RE_ROPE and self.xpos:
             raise KernelConfigError(f"--rotary-scaling {scaling} is for plain rotary models, not with --rotary-xpos")
         self.scaling, self.train_length, self.scaling_length = scaling, train_length, scaling_length
@@ -197,8 +207,10 @@ class RotaryEmbedding(nn.Module):
         positions interpolated by ``1/k``) and merges the two by the mask ``i - j < w``. Here the
         second matrix comes from the rotated queries and keys turned further, the query at ``i`` by
         ``(w + (i - w)/k - i) theta`` and the key at ``j`` by ``(j/k - j) theta`` (``1/k = 0``: ReRoPE),
-        so the cache keeps rotated keys as for plain rotary. Every logit is the reference's; two
-        ``queries x keys`` matrices per block, on the explicit path."""
+        so the cache keeps rotated keys as for plain rotary. As the reference's patches do, the query at
+        ``i`` is also scaled by ``max(1, log(i + 1) / log L_train)`` (``--rerope-query-scale log``, the
+        default; ``none`` leaves it). Every logit is the reference's; two ``queries x keys`` matrices per
+        block, on the explicit path."""
         if self.scaling not in RE_ROPE:
             return None
         window = self.rerope_window_size()
@@ -210,9 +222,14 @@ class RotaryEmbedding(nn.Module):
         k_far = self._turn(k, (key_positions * (slope - 1))[:, None] * theta[None])
         near = (query_positions[:, None] - key_positions[None, :]) < window
 
+        scale = None
+        if self.rerope_query_scale == "log":
+            scale = (query_positions + 1).log().div(math.log(self.train_length)).clamp(min=1.0)[:, None]
+
         def rerope_logits(q_block: Tensor, scores: Tensor, mask: Tensor) -> Tensor:
             far = torch.matmul(q_far, k_far.transpose(-1, -2))
-            return torch.where(near, scores, far.to(scores.dtype)) + mask
+            logits = torch.where(near, scores, far.to(scores.dtype))
+            return (logits if scale is None else logits * scale.to(scores.dtype)) + mask
 
         return rerope_logits
 
@@ -253,6 +270,7 @@ class RotaryEmbedding(nn.Module):
         if self.scaling in RE_ROPE:
             scaling += f", window {self.rerope_window_size()}"
             scaling += f", k {self.rerope_leak:g}" if self.scaling == "leaky-rerope" else ""
+            scaling += ", queries times max(1, log(i + 1) / log L_train)" if self.rerope_query_scale == "log" else ""
         if self.dynamic:
             scaling += f" in bands of {self.dynamic_step}"
         return f"head_dim={self.head_dim}{xpos}{scaling}"

@@ -189,16 +189,19 @@ class BiasedSelfAttention(MultiheadAttention):
                       state: Optional[Tensor]) -> List[DistanceBlockBias]:
         """The bias of each block of queries (:func:`query_blocks`); with ``whole_rows``, blocks against
         every key up to their last query, split only where dynamic NTK's bands start. Query 0 is at
-        absolute position ``first_position``; ``state`` is the layer bias's state of every key."""
+        absolute position ``first_position``; ``state`` is the layer bias's state of every key. The query
+        methods may scale each block's bias (scalable softmax on the whole logit)."""
         window = self.setup.bias.attention_window
         rotary = self.setup.rotary
         starts = rotary.band_starts(first_position, num_queries) if rotary is not None else []
         blocks = query_blocks(num_queries, num_keys, 0 if whole_rows else self.setup.block_size_now(),
                               0 if whole_rows else window, starts)
         biases = [self.setup.bias.for_block(block, num_keys, shared=len(blocks) == 1) for block in blocks]
-        if self.layer_bias is None:
-            return biases
-        return [LayerBlockBias(bias, self.layer_bias, first_position, state) for bias in biases]
+        if self.layer_bias is not None:
+            biases = [LayerBlockBias(bias, self.layer_bias, first_position, state) for bias in biases]
+        for method in self.query_scales or ():
+            biases = [method.scale_bias(bias, first_position, self.setup.keys_seen()) for bias in biases]
+        return biases
 
     def _positioned(self, q: Tensor, k: Tensor, block, first_position: int):
         """A block's queries and keys (sliced from the call's) with what rotary does per block, xPos's

@@ -9,7 +9,7 @@ from fairseq.models.transformer_lm import TransformerLanguageModelConfig
 from kerple_fairseq.attention.attend import BACKENDS
 from kerple_fairseq.attention.methods import attention_method_option_fields
 from kerple_fairseq.models.position_methods import bias_names
-from kerple_fairseq.attention.rotary import DYNAMIC_NTK_STEP, REROPE_LEAK, ROTARY_SCALINGS
+from kerple_fairseq.attention.rotary import DYNAMIC_NTK_STEP, REROPE_LEAK, REROPE_QUERY_SCALES, ROTARY_SCALINGS
 from kerple_fairseq.kernels import option_fields
 from kerple_fairseq.layer_biases import layer_bias_option_fields
 
@@ -183,6 +183,13 @@ def _make_config():
             float,
             field(default=REROPE_LEAK, metadata={"help": "leaky ReRoPE's k: distances beyond the window grow by "
                                                  "1/k per position"}),
+        ),
+        (
+            "rerope_query_scale",
+            ChoiceEnum(list(REROPE_QUERY_SCALES)),
+            field(default="log", metadata={
+                "help": "ReRoPE's query scale: log (the reference patches': the query at i times max(1, log(i + 1) "
+                "/ log(training length))) or none"}),
         ),
     ]
     # each kernel, layer bias and attention method declares its own options; copy them so this dataclass

@@ -42,6 +42,11 @@ def attention_setups(args) -> List[AttentionSetup]:
     """Each layer's :class:`AttentionSetup`: the model's for every layer, or with ``--layer-positions``
     one per entry of the plan (a kernel named by several entries is one module, shared)."""
     plan = layer_plan(safe_getattr(args, "layer_positions", ""), args.decoder_layers)
+    rotary_layers = [entry.rotary for entry in plan] or [safe_getattr(args, "rotary_embeddings", False)]
+    for method in chosen_methods(args):
+        if not any(method.acts_in_layer(args, rotary) for rotary in rotary_layers):
+            raise KernelConfigError(f"this model has no layer where --{method.switch.replace('_', '-')} acts: it "
+                                    f"{method.layer_rule}")
     if not plan:
         return [attention_setup(args)] * args.decoder_layers
     kernels, setups = {}, {}
@@ -74,6 +79,12 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
     rotary = safe_getattr(args, "rotary_embeddings", False) if entry is None else entry.rotary
     window = safe_getattr(args, "attn_window", 0) if entry is None else entry.window
     methods = chosen_methods(args, () if entry is None else entry.methods)
+    named_here = [m for m in methods if entry is not None and m.name in entry.methods]
+    for method in named_here:
+        if not method.acts_in_layer(args, rotary):
+            raise KernelConfigError(f"--layer-positions names {method.name} in a layer where it does not act: it "
+                                    f"{method.layer_rule}")
+    methods = [m for m in methods if m.acts_in_layer(args, rotary)]
     check_composition(methods, [f"--rotary-scaling {rotary_scaling}"] if rotary and rotary_scaling in RE_ROPE else [])
     builders = [partial(method.build, heads, head_dim, args) for method in methods]
     for build in builders:
@@ -94,6 +105,7 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
                                dynamic_step=safe_getattr(args, "dynamic_ntk_step", DYNAMIC_NTK_STEP),
                                rerope_window=safe_getattr(args, "rerope_window", 0),
                                rerope_leak=safe_getattr(args, "rerope_leak", REROPE_LEAK),
+                               rerope_query_scale=str(safe_getattr(args, "rerope_query_scale", "log")),
                                fraction=safe_getattr(args, "rotary_fraction", 1.0))
         if rotary else None,
         block_size=block_size,

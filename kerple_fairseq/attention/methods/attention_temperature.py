@@ -4,6 +4,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from fairseq.dataclass import ChoiceEnum
 from torch import Tensor
 
 from kerple_fairseq.attention.methods.base import QUERIES, AttentionMethod, register_attention_method
@@ -11,6 +12,8 @@ from kerple_fairseq.errors import KernelConfigError
 
 #: Llama 4's ``floor_scale`` and ``attn_scale`` (transformers' ``Llama4TextConfig``)
 TEMPERATURE_FLOOR_SCALE, TEMPERATURE_SCALE = 8192, 0.1
+#: the layers it acts in: those without rotary embeddings (Llama 4's), or every one
+TEMPERATURE_LAYERS = ["nope", "all"]
 
 
 @dataclass
@@ -23,6 +26,9 @@ class TemperatureOptions:
         "help": "Llama 4's attention temperature: positions per step of the floor (its floor_scale)"})
     attn_temperature_scale: float = field(default=TEMPERATURE_SCALE, metadata={
         "help": "Llama 4's attention temperature: beta (its attn_scale)"})
+    attn_temperature_layers: ChoiceEnum(TEMPERATURE_LAYERS) = field(default="nope", metadata={
+        "help": "Llama 4's attention temperature: in the layers without rotary embeddings (nope, Llama 4's rule) "
+        "or in every layer (all)"})
 
 
 @register_attention_method("attn_temperature")
@@ -30,18 +36,29 @@ class AttentionTemperature(AttentionMethod):
     """Llama 4's attention temperature tuning (Meta, 2025; transformers' ``Llama4TextAttention``): the
     query at position ``i`` is multiplied by ``1 + beta * log(floor((i + 1) / F) + 1)``, 1 before
     position ``F - 1``, growing with the log of the length beyond it. The logits ``q . k`` scale and a
-    positional bias added to them does not; every backend serves it. An inference-time factor with no
-    parameters, usable on any trained model."""
+    positional bias added to them does not; every backend serves it. As in Llama 4, it acts only in the
+    layers without rotary embeddings (``--attn-temperature-layers all``: in every layer). An
+    inference-time factor with no parameters, usable on any trained model."""
 
     options = TemperatureOptions
     switch = "attn_temperature_tuning"
     acts_on = QUERIES
     precedence = 1  # after a model's learned query scales (an evaluation-time factor)
+    layer_rule = ("acts in the layers without rotary embeddings only (Llama 4's rule; --attn-temperature-layers all: "
+                  "in every layer)")
+
+    @classmethod
+    def acts_in_layer(cls, cfg, rotary: bool) -> bool:
+        return not rotary or str(getattr(cfg, "attn_temperature_layers", "nope")) == "all"
+
 
     def __init__(self, num_heads: int = 0, head_dim: int = 0, attn_temperature_tuning: bool = True,
                  attn_temperature_floor_scale: int = TEMPERATURE_FLOOR_SCALE,
-                 attn_temperature_scale: float = TEMPERATURE_SCALE):
+                 attn_temperature_scale: float = TEMPERATURE_SCALE, attn_temperature_layers: str = "nope"):
         super().__init__()
+        if str(attn_temperature_layers) not in TEMPERATURE_LAYERS:
+            raise KernelConfigError(f"--attn-temperature-layers must be one of {', '.join(TEMPERATURE_LAYERS)}, "
+                                    f"got {attn_temperature_layers!r}")
         if attn_temperature_floor_scale < 1:
             raise KernelConfigError(f"--attn-temperature-floor-scale must be >= 1, got {attn_temperature_floor_scale}")
         if not math.isfinite(attn_temperature_scale):

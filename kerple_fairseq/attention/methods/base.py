@@ -60,6 +60,15 @@ class AttentionMethod(nn.Module):
         return bool(value) and str(value) != "none"
 
     @classmethod
+    def acts_in_layer(cls, cfg, rotary: bool) -> bool:
+        """Whether the method acts in a layer (with rotary embeddings or not) of a model whose ``cfg``
+        turns it on: in every layer unless a method says otherwise."""
+        return True
+
+    #: where it acts, in words (a method that does not act in every layer): "acts in ..."
+    layer_rule: ClassVar[str] = ""
+
+    @classmethod
     def command_lines(cls) -> Dict[str, List[str]]:
         """The flags that turn the method on, by a label (a method with variants has one each)."""
         return {cls.name.replace("_", "-"): [f"--{cls.switch.replace('_', '-')}"]}
@@ -74,6 +83,11 @@ class AttentionMethod(nn.Module):
         """``q`` ``[B, H, T, D]`` at absolute positions ``first_position ..`` (each query sees at most
         ``keys_seen`` keys; 0: every key before it), changed by the method."""
         raise NotImplementedError
+
+    def scale_bias(self, bias, first_position: int, keys_seen: int):
+        """A block's bias as a query method leaves it (``bias.block``'s first query at absolute position
+        ``first_position + bias.block.query_start``): unchanged, unless the method scales whole logits."""
+        return bias
 
     def new_key_state(self, q: Tensor) -> Tensor:
         """The state ``[..., new keys]`` of the call's new keys, before they are attended (``cached_state``)."""
