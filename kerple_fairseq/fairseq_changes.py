@@ -114,7 +114,10 @@ CHANGES = (
     Change(install_checkpoint_reading_errors,
            "fairseq's own reads of a checkpoint (fairseq-eval-lm, fairseq-interactive, fairseq-generate, "
            "--restore-file, the hub interface) end a truncated or foreign file in torch's traceback, which names "
-           "no file: one line names the file and says what to give instead"),
+           "no file: one line names the file and says what to give instead; and a plugin checkpoint saved before "
+           "an option that changed a behaviour (--ssmax-scope, --rerope-query-scale, --attn-temperature-layers) "
+           "existed gets the value that keeps the behaviour it was trained with, where fairseq would give it the "
+           "new default"),
     Change(report_missing_checkpoints_in_one_line,
            "a --path that does not exist ends fairseq's tools in a traceback (OSError: Model file not found)"),
     Change(report_missing_data_in_one_line,

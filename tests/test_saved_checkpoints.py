@@ -114,3 +114,40 @@ def test_incremental_decoding_gives_the_saved_log_probabilities(case):
     next_tokens = decoded[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
     torch.testing.assert_close(next_tokens, saved[key(variant, "incremental_token_log_probs")], **TOLERANCE)
     torch.testing.assert_close(decoded, saved[key(variant, "log_probs")], **TOLERANCE)
+
+
+def test_options_added_since_keep_the_behaviour_the_checkpoints_were_saved_with():
+    """These checkpoints predate --ssmax-scope, --rerope-query-scale and --attn-temperature-layers: each gets the
+    value of the behaviour it was trained with (read by fairseq or as data), an override of it is honoured, and a
+    configuration that has the option keeps its value."""
+    from kerple_fairseq.evaluation.checkpoint_file import as_fairseq_state, read_checkpoint, with_saved_behaviour
+    from kerple_fairseq.models.config import KernelBiasedLMConfig, saved_before
+
+    assert saved_before() == {"ssmax_scope": "queries", "rerope_query_scale": "none", "attn_temperature_layers": "all"}
+    defaults = KernelBiasedLMConfig()
+    assert (defaults.ssmax_scope, defaults.rerope_query_scale, defaults.attn_temperature_layers) == ("logits", "log",
+                                                                                                      "nope")
+    assert all(layer.self_attn.query_scales for layer in model_of("rotary_temperature", None).decoder.layers)
+    state = as_fairseq_state(read_checkpoint(str(SAVED / "rotary_temperature.pt")))
+    assert {k: state["cfg"].model[k] for k in saved_before()} == saved_before()
+    overridden = as_fairseq_state(read_checkpoint(str(SAVED / "rotary.pt")), {"rerope_query_scale": "log"})
+    assert overridden["cfg"].model.rerope_query_scale == "log"
+    recent = {"cfg": {"model": {"bias_kernel": "none", "ssmax_scope": "logits"}}}
+    assert with_saved_behaviour(recent)["cfg"]["model"]["ssmax_scope"] == "logits"
+
+
+def test_an_override_of_an_option_added_since_is_honoured():
+    """The rotary checkpoint under ReRoPE with the reference's query scale (the default of models trained now)
+    scores differently from the saved, unscaled ReRoPE beyond the training length, and the same within it."""
+    saved = saved_scores("rotary")
+    overrides = {"data": str(SAVED), **ROTARY_OVERRIDES["rerope"], "rerope_query_scale": "log"}
+    models, _, _ = checkpoint_utils.load_model_ensemble_and_task([str(SAVED / "rotary.pt")], arg_overrides=overrides)
+    model = models[0].eval()
+    assert model.decoder.setup.rotary.rerope_query_scale == "log"
+    train_length = model.decoder.setup.rotary.train_length
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(saved["tokens"])[0].float(), -1)
+    unscaled = saved["rerope/log_probs"]
+    assert saved["tokens"].size(1) > train_length + 1
+    torch.testing.assert_close(log_probs[:, :train_length], unscaled[:, :train_length], **TOLERANCE)
+    assert (log_probs[:, train_length + 1:] - unscaled[:, train_length + 1:]).abs().max() > 1e-3

@@ -10,6 +10,7 @@ their logged metrics. A file that names anything else is refused before any of i
 """
 
 import argparse
+import contextlib
 import os
 import pickle
 import re
@@ -19,9 +20,10 @@ import numpy as np
 import torch
 from fairseq import checkpoint_utils
 from fairseq.dataclass.utils import overwrite_args_by_name
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from kerple_fairseq.errors import UsageError, first_line
+from kerple_fairseq.models.config import saved_before
 
 try:
     from numpy._core.multiarray import scalar as _numpy_scalar  # NumPy 2
@@ -120,12 +122,33 @@ def missing_checkpoint_report(error: BaseException) -> Optional[str]:
     return no_checkpoint(found.group(1)) if found else None
 
 
+def with_saved_behaviour(state: Dict, arg_overrides: Optional[Dict] = None) -> Dict:
+    """``state`` (a plugin checkpoint's, read by fairseq or as data) with each option added since it was
+    saved (:func:`~kerple_fairseq.models.config.saved_before`) set to the value that keeps the behaviour it
+    was trained with, or to ``arg_overrides``' value for it: fairseq would otherwise give it the option's
+    new default (and drop an override of a key the configuration lacks)."""
+    overrides = arg_overrides or {}
+    model = state.get("cfg", {}).get("model") if state.get("cfg") is not None else None
+    if model is not None and "bias_kernel" in model:
+        with open_dict(model) if OmegaConf.is_config(model) else contextlib.nullcontext():
+            for name, value in saved_before().items():
+                if name not in model:
+                    model[name] = overrides.get(name, value)
+    args = state.get("args")
+    if args is not None and hasattr(args, "bias_kernel"):
+        for name, value in saved_before().items():
+            if not hasattr(args, name):
+                setattr(args, name, overrides.get(name, value))
+    return state
+
+
 def _naming_the_file(stock):
     def load_checkpoint_to_cpu(path, arg_overrides=None, load_on_all_ranks=False):
         try:
-            return stock(path, arg_overrides, load_on_all_ranks)
+            state = stock(path, arg_overrides, load_on_all_ranks)
         except Exception as error:  # noqa: BLE001  (whatever a foreign or damaged file makes torch raise)
             raise reading_error(path, error) from error
+        return with_saved_behaviour(state, arg_overrides)
 
     load_checkpoint_to_cpu.kerple_fairseq = True
     return load_checkpoint_to_cpu
@@ -133,14 +156,17 @@ def _naming_the_file(stock):
 
 def install_checkpoint_reading_errors() -> None:
     """fairseq's own reads of a checkpoint file (every stock command, ``--restore-file``, the hub
-    interface) fail with the one-line error of :func:`reading_error`, which names the file."""
+    interface) fail with the one-line error of :func:`reading_error`, which names the file, and keep the
+    behaviour a plugin checkpoint was saved with (:func:`with_saved_behaviour`)."""
     if not getattr(checkpoint_utils.load_checkpoint_to_cpu, "kerple_fairseq", False):
         checkpoint_utils.load_checkpoint_to_cpu = _naming_the_file(checkpoint_utils.load_checkpoint_to_cpu)
 
 
 def as_fairseq_state(state: Dict, arg_overrides: Optional[Dict] = None) -> Dict:
     """``state`` as fairseq's ``load_checkpoint_to_cpu`` returns a file's: ``arg_overrides`` applied to
-    its ``args`` or ``cfg``, ``cfg`` an OmegaConf config, older layouts upgraded (``args`` to ``cfg``)."""
+    its ``args`` or ``cfg``, ``cfg`` an OmegaConf config, older layouts upgraded (``args`` to ``cfg``), the
+    behaviour it was saved with kept (:func:`with_saved_behaviour`)."""
+    state = with_saved_behaviour(state)
     if state.get("args") is not None and arg_overrides is not None:
         for name, value in arg_overrides.items():
             setattr(state["args"], name, value)

@@ -7,6 +7,10 @@ from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels.base import BiasKernel
 
 KERNELS: Dict[str, Type[BiasKernel]] = {}
+#: the metadata key of an option added with a behaviour other than the one before it: the value that keeps
+#: that earlier behaviour, which checkpoints saved before the option existed get
+#: (:func:`kerple_fairseq.evaluation.checkpoint_file.with_saved_behaviour`)
+SAVED_BEFORE = "saved_before"
 
 
 def registrar(table: Dict[str, type], base: type, what: str):

@@ -11,6 +11,7 @@ from kerple_fairseq.attention.methods import attention_method_option_fields
 from kerple_fairseq.models.position_methods import bias_names
 from kerple_fairseq.attention.rotary import DYNAMIC_NTK_STEP, REROPE_LEAK, REROPE_QUERY_SCALES, ROTARY_SCALINGS
 from kerple_fairseq.kernels import option_fields
+from kerple_fairseq.kernels.registry import SAVED_BEFORE
 from kerple_fairseq.layer_biases import layer_bias_option_fields
 
 DEFAULT_BLOCK_SIZE = 1024
@@ -189,7 +190,7 @@ def _make_config():
             ChoiceEnum(list(REROPE_QUERY_SCALES)),
             field(default="log", metadata={
                 "help": "ReRoPE's query scale: log (the reference patches': the query at i times max(1, log(i + 1) "
-                "/ log(training length))) or none"}),
+                "/ log(training length))) or none", SAVED_BEFORE: "none"}),
         ),
     ]
     # each kernel, layer bias and attention method declares its own options; copy them so this dataclass
@@ -206,3 +207,9 @@ def _make_config():
 
 
 KernelBiasedLMConfig = _make_config()
+
+
+def saved_before() -> dict:
+    """Each option added with a new behaviour, by name: the value checkpoints saved before it get."""
+    return {f.name: f.metadata[SAVED_BEFORE] for f in dataclasses.fields(KernelBiasedLMConfig)
+            if SAVED_BEFORE in f.metadata}

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from kerple_fairseq.attention.methods.base import QUERIES, AttentionMethod, register_attention_method
 from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.kernels.registry import SAVED_BEFORE
 
 #: Llama 4's ``floor_scale`` and ``attn_scale`` (transformers' ``Llama4TextConfig``)
 TEMPERATURE_FLOOR_SCALE, TEMPERATURE_SCALE = 8192, 0.1
@@ -28,7 +29,7 @@ class TemperatureOptions:
         "help": "Llama 4's attention temperature: beta (its attn_scale)"})
     attn_temperature_layers: ChoiceEnum(TEMPERATURE_LAYERS) = field(default="nope", metadata={
         "help": "Llama 4's attention temperature: in the layers without rotary embeddings (nope, Llama 4's rule) "
-        "or in every layer (all)"})
+        "or in every layer (all)", SAVED_BEFORE: "all"})
 
 
 @register_attention_method("attn_temperature")

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from kerple_fairseq.attention.methods.base import QUERIES, AttentionMethod, register_attention_method
 from kerple_fairseq.attention.scaled_bias import RowScaledBlockBias
 from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.kernels.registry import SAVED_BEFORE
 from kerple_fairseq.precision import precise
 
 #: the scale's initial value: the one an implementation of the paper reports from it (the paper's
@@ -29,7 +30,8 @@ class SsmaxOptions:
     ssmax_scale_init: float = field(default=SSMAX_SCALE_INIT, metadata={"help": "scalable softmax: the initial s_h"})
     ssmax_scope: ChoiceEnum(SCOPES) = field(default="logits", metadata={
         "help": "scalable softmax: what s_h log(n) multiplies: logits (the paper's and the scalable-softmax "
-        "package's: q.k/sqrt(d) plus the positional bias) or queries (q.k alone, the bias added unscaled)"})
+        "package's: q.k/sqrt(d) plus the positional bias) or queries (q.k alone, the bias added unscaled)",
+        SAVED_BEFORE: "queries"})
 
 
 def visible_keys(first_position: int, num_queries: int, window: int, device) -> Tensor:
