@@ -35,11 +35,20 @@ POSITION_ENCODINGS = {
     "ssmax": ["--arch", "transformer_lm_rotary{size}", "--ssmax"],
     "rotary_rerope": ["--arch", "transformer_lm_rotary{size}"],
     "rotary_leaky_rerope": ["--arch", "transformer_lm_rotary{size}"],
+    "rotary_rerope_unscaled": ["--arch", "transformer_lm_rotary{size}"],
+    "p_rope": ["--arch", "transformer_lm_rotary{size}", "--rotary-fraction", "0.25"],
+    "bam_ssmax": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "bam", "--ssmax", "--ssmax-scale-init", "1"],
+    "bam_ssmax_queries": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "bam", "--ssmax",
+                          "--ssmax-scale-init", "1", "--ssmax-scope", "queries"],
 }
 #: what a model is evaluated with on top (the same trained model)
 EVALUATED_WITH = {"rotary_ntk": ("--rotary-scaling", "ntk"), "rotary_dynamic_ntk": ("--rotary-scaling", "dynamic-ntk"),
-                  "rotary_yarn": ("--rotary-scaling", "yarn"), "rotary_rerope": ("--rotary-scaling", "rerope"),
-                  "rotary_leaky_rerope": ("--rotary-scaling", "leaky-rerope")}
+                  "rotary_yarn": ("--rotary-scaling", "yarn"),
+                  "rotary_rerope": ("--rotary-scaling", "rerope", "--model-overrides", "{'rerope_query_scale': 'log'}"),
+                  "rotary_leaky_rerope": ("--rotary-scaling", "leaky-rerope", "--model-overrides",
+                                          "{'rerope_query_scale': 'log'}"),
+                  "rotary_rerope_unscaled": ("--rotary-scaling", "rerope", "--model-overrides",
+                                             "{'rerope_query_scale': 'none'}")}
 POSITION_PARAMETERS = ("embed_positions.", "attention_bias.kernel.", "self_attn.layer_bias.", "self_attn.score_transform.",
                        "self_attn.query_scales.")
 
@@ -90,6 +99,9 @@ def assert_differ_only_in_position(models):
     assert encoded["cope"] == layers * (width // heads) * (tokens + 1)
     assert encoded["stick_breaking"] == encoded["selective"] == encoded["rotary_rerope"] == 0
     assert encoded["ssmax"] == layers * heads  # one scale per head and layer
+    assert encoded["p_rope"] == encoded["rotary_rerope_unscaled"] == 0
+    # BAM's shape, scale and location per head, once per model; SSMax's scale per head and layer
+    assert encoded["bam_ssmax"] == encoded["bam_ssmax_queries"] == 3 * heads + layers * heads
 
 
 def test_compared_models_are_among_those_checked_here():

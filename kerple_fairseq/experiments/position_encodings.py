@@ -56,12 +56,27 @@ POSITION_ENCODINGS = {
     "selective": PositionEncoding("NoPE+selective", "kerple", ("--bias-kernel", "none", "--selective-attention"),
                                   family=CONTEXTUAL, baseline="nope"),
     "ssmax": PositionEncoding("rotary+SSMax", "rotary", ("--ssmax",), family=ROTARY, baseline="rotary"),
-    # rotary trained as `rotary` is, evaluated with ReRoPE's clamped (or leaky) relative positions
-    "rotary_rerope": PositionEncoding("rotary+ReRoPE", "rotary", eval_flags=("--rotary-scaling", "rerope"),
-                                      family=ROTARY, baseline="rotary"),
-    "rotary_leaky_rerope": PositionEncoding("rotary+leaky ReRoPE", "rotary",
-                                            eval_flags=("--rotary-scaling", "leaky-rerope"), family=ROTARY,
-                                            baseline="rotary"),
+    # rotary trained as `rotary` is, evaluated with ReRoPE's clamped (or leaky) relative positions and the
+    # reference's query scale beyond the training length (named, so that results of either scale are never mixed)
+    "rotary_rerope": PositionEncoding("rotary+ReRoPE", "rotary", eval_flags=(
+        "--rotary-scaling", "rerope", "--model-overrides", "{'rerope_query_scale': 'log'}"), family=ROTARY,
+        baseline="rotary"),
+    "rotary_leaky_rerope": PositionEncoding("rotary+leaky ReRoPE", "rotary", eval_flags=(
+        "--rotary-scaling", "leaky-rerope", "--model-overrides", "{'rerope_query_scale': 'log'}"), family=ROTARY,
+        baseline="rotary"),
+    # ReRoPE without the query scale, against ReRoPE with it
+    "rotary_rerope_unscaled": PositionEncoding("rotary+ReRoPE, unscaled queries", "rotary", eval_flags=(
+        "--rotary-scaling", "rerope", "--model-overrides", "{'rerope_query_scale': 'none'}"), family=ROTARY,
+        baseline="rotary_rerope"),
+    # p-RoPE at the fraction the paper favours
+    "p_rope": PositionEncoding("p-RoPE 0.25", "rotary", ("--rotary-fraction", "0.25"), family=ROTARY,
+                               baseline="rotary"),
+    # BAM's prior with scalable softmax on the whole logit, the paper's pairing (s_h from 1, as BAM's code)
+    "bam_ssmax": PositionEncoding("BAM+SSMax", "kerple", ("--bias-kernel", "bam", "--ssmax", "--ssmax-scale-init", "1")),
+    # the same with SSMax on q.k alone, the bias unscaled, against the paper's
+    "bam_ssmax_queries": PositionEncoding("BAM+SSMax on q.k", "kerple", (
+        "--bias-kernel", "bam", "--ssmax", "--ssmax-scale-init", "1", "--ssmax-scope", "queries"),
+        baseline="bam_ssmax"),
 }
 # learned positions are not among them: they cannot be evaluated beyond the training length
 
