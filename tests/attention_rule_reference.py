@@ -99,6 +99,44 @@ def bam_prior(shape, log_scale, loc, length, window=0):
     return stack(rows)
 
 
+def path_inputs(x, first, second, conv, beta_weight, beta_bias, heads):
+    """PaTH's ``w`` ``[H, T, D]`` and ``beta`` ``[H, T]`` from one sequence's layer input ``x`` ``[T, E]``, token
+    by token (flash-linear-attention's ``PaTHAttention``): ``u_t = second @ (first @ x_t)``; channel ``c`` of
+    ``silu(sum_m conv[c, 0, m] u_{t - 2 + m}[c])`` (``u`` 0 before the first token), the head's slice
+    normalised to unit length; ``beta_t = 2 sigmoid(beta_weight @ x_t + beta_bias)``."""
+    length = x.shape[0]
+    projected = [second @ (first @ x[t]) for t in range(length)]
+    width = conv.shape[-1]
+    ws, betas = [], []
+    for t in range(length):
+        mixed = sum(conv[:, 0, m] * projected[t - width + 1 + m] for m in range(width) if t - width + 1 + m >= 0)
+        w = torch.nn.functional.silu(mixed).view(heads, -1)
+        ws.append(w / w.norm(dim=-1, keepdim=True))
+        betas.append(2 * torch.sigmoid(beta_weight @ x[t] + beta_bias))
+    return torch.stack(ws, dim=1), torch.stack(betas, dim=1)
+
+
+def path_logits(q, k, w, beta, window=0):
+    """PaTH (Yang et al., NeurIPS 2025) for one head: ``q_i^T H_i H_{i-1} ... H_{j+1} k_j / sqrt(D)`` with the
+    matrices ``H_s = I - beta_s w_s w_s^T`` multiplied out; ``-inf`` where query ``i`` does not attend."""
+    length, dim = q.shape
+    eye = torch.eye(dim, dtype=q.dtype)
+    householder = [eye - beta[s] * torch.outer(w[s], w[s]) for s in range(length)]
+    rows = []
+    for i in range(length):
+        row = []
+        for j in range(length):
+            if j > i or (window and i - j >= window):
+                row.append(q.new_tensor(NEG_INF))
+                continue
+            product = eye
+            for s in range(j + 1, i + 1):
+                product = householder[s] @ product
+            row.append(q[i] @ product @ k[j] / math.sqrt(dim))
+        rows.append(row)
+    return stack(rows)
+
+
 def llama4_query_temperature(position, beta=0.1, floor_scale=8192):
     """Llama 4's inference-time factor on the query at 0-based ``position`` (transformers'
     ``modeling_llama4``: ``log1p(floor((position + 1) / floor_scale)) * attn_scale + 1``): 1 below

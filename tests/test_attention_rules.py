@@ -11,8 +11,8 @@ import torch
 from kerple_fairseq.attention.self_attention import recorded
 from kerple_fairseq.errors import KernelConfigError
 
-from attention_rule_reference import (bam_prior, llama4_query_temperature, rerope_logits, selective_logits,
-                                      ssmax_logits, stick_breaking)
+from attention_rule_reference import (bam_prior, llama4_query_temperature, path_inputs, path_logits, rerope_logits,
+                                      selective_logits, ssmax_logits, stick_breaking)
 from helpers import tiny_model
 from test_layer_biases import log_probs, method_id, tokens_of
 
@@ -139,6 +139,27 @@ def test_ssmax_over_bam_scales_the_bias_as_its_scope_says(window, scope):
                                 [x, *parameters, *kernel.parameters()])
 
 
+@pytest.mark.parametrize("kernel, window", [("none", 0), ("none", 3), ("fox", 0)])
+def test_path_logits_and_gradients_equal_the_loops(kernel, window):
+    """PaTH's logits against the Householder matrices multiplied out, w and beta computed token by token,
+    gradients of the input and every parameter (PaTH-FoX: FoX's sums of log f added)."""
+    attention, x, parameters = attention_of(kernel, "--path-attention", "--attn-window", str(window))
+    path = attention.score_transform
+    q, k, _ = raw_qkv(attention, x)
+    rows = []
+    for b in range(BATCH):
+        w, beta = path_inputs(x[:, b], path.w_proj[0].weight, path.w_proj[1].weight, path.w_conv.weight,
+                              path.beta_proj.weight, path.beta_proj.bias, attention.num_heads)
+        rows.append(torch.stack([path_logits(q[b, h], k[b, h], w[h], beta[h], window)
+                                 for h in range(attention.num_heads)]))
+    reference = torch.stack(rows)
+    if kernel == "fox":  # D_ij = c_i - c_j, c the running sum of log f
+        log_f = torch.nn.functional.logsigmoid(attention.layer_bias.gate(x)).permute(1, 2, 0)  # [B, H, T]
+        c = log_f.cumsum(-1)
+        reference = reference + (c[..., :, None] - c[..., None, :])
+    assert_equal_with_gradients(before_softmax(attention, x), reference, [x, *parameters])
+
+
 def test_llama4_temperature_scales_the_queries_from_its_floor_on():
     attention, x, parameters = attention_of("none", "--rotary-embeddings", "--attn-temperature-tuning",
                                             "--attn-temperature-layers", "all",
@@ -257,7 +278,12 @@ CASES = [  # (bias kernel, flags): each rule alone and over a kernel
     ("bam", ["--ssmax", "--ssmax-scale-init", "1"]),
     ("none", ["--rotary-embeddings", "--rotary-scaling", "leaky-rerope", "--rerope-window", "5", "--rerope-leak", "3",
               "--tokens-per-sample", "8"]),
+    ("none", ["--path-attention"]),
+    ("fox", ["--path-attention"]),
 ]
+#: PaTH carries every key to each query in turn, a Python step per query: half precision is checked at 4096 tokens
+#: without gradients and at 512 with them (test_path_in_half_precision), not here
+HALF_PRECISION_CASES = [case for case in CASES[::2] if "--path-attention" not in case[1]]
 
 
 @pytest.mark.parametrize("case", CASES, ids=method_id)
@@ -268,12 +294,13 @@ def test_the_rule_changes_what_the_model_computes(case):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    rule = {"--stick-breaking", "--selective-attention", "--ssmax", "--attn-temperature-tuning"}
+    rule = {"--stick-breaking", "--selective-attention", "--ssmax", "--attn-temperature-tuning", "--path-attention"}
     plain = [f for f in flags if f not in rule]
     if "--rotary-scaling" in plain:
         plain = plain[:plain.index("--rotary-scaling")]
     without = tiny_model(kernel, *plain).eval()
-    without.load_state_dict({k: v for k, v in model.state_dict().items() if "query_scales" not in k})
+    without.load_state_dict({k: v for k, v in model.state_dict().items()
+                             if "query_scales" not in k and "score_transform" not in k})
     tokens = tokens_of()
     assert (log_probs(model, tokens) - log_probs(without, tokens)).abs().max() > 1e-3
 
@@ -298,7 +325,7 @@ def test_query_scales_are_served_by_the_fused_backends(monkeypatch, backend, sco
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", CASES[::2] + [("none", ["--rotary-embeddings", "--rotary-scaling", "leaky-rerope",
+@pytest.mark.parametrize("case", HALF_PRECISION_CASES + [("none", ["--rotary-embeddings", "--rotary-scaling", "leaky-rerope",
                                                          "--tokens-per-sample", "128"])], ids=method_id)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_at_4096_tokens_is_finite_and_close(case, dtype):
@@ -316,6 +343,28 @@ def test_half_precision_at_4096_tokens_is_finite_and_close(case, dtype):
     assert (half - full).abs().mean() < 0.05
     half.gather(-1, tokens[..., None]).mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["none", "fox"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_path_in_half_precision(kernel, dtype):
+    """PaTH (and PaTH-FoX) at 4096 tokens: finite and close to float32; a training step at 512: finite gradients."""
+    torch.manual_seed(0)
+    model = tiny_model(kernel, "--path-attention").eval()
+    for length, backward in ((4096, False), (512, True)):
+        tokens = tokens_of(1, length)
+        with torch.no_grad():
+            full = torch.log_softmax(model.float()(tokens)[0].float(), dim=-1)
+        half_model = model.to(dtype)
+        with torch.set_grad_enabled(backward):
+            half = torch.log_softmax(half_model(tokens)[0].float(), dim=-1)
+        assert torch.isfinite(half).all()
+        assert (half.detach() - full).abs().mean() < 0.05
+        if backward:
+            half.gather(-1, tokens[..., None]).mean().backward()
+            assert all(torch.isfinite(p.grad).all() for p in half_model.parameters() if p.grad is not None)
+            assert half_model.decoder.layers[0].self_attn.score_transform.beta_proj.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("case", CASES[:3] + [("alibi", [])], ids=method_id)

@@ -1,4 +1,5 @@
-"""FIRE, FoX, DAPE, xPos, CoPE, stick-breaking, selective attention and scalable softmax train a tiny
+"""FIRE, FoX, DAPE, xPos, CoPE, stick-breaking, selective attention, scalable softmax, PaTH (and PaTH-FoX)
+and BAM with scalable softmax train a tiny
 model through fairseq-train's main (in this process) with falling loss, and the checkpoint reloads and
 evaluates at 8x the training length with kerple-eval-lm (the rules after FoX, and ReRoPE and Llama 4's
 temperature on a rotary checkpoint, at 32x)."""
@@ -46,6 +47,9 @@ RULE_RUNS = {
     "selective": ["--bias-kernel", "none", "--selective-attention"],
     "ssmax": ["--arch", "transformer_lm_rotary", "--ssmax"],
     "rotary": ["--arch", "transformer_lm_rotary"],
+    "path": ["--bias-kernel", "none", "--path-attention"],
+    "path_fox": ["--bias-kernel", "fox", "--path-attention"],
+    "bam_ssmax": ["--bias-kernel", "bam", "--ssmax", "--ssmax-scale-init", "1"],
 }
 #: how each rotary checkpoint is also evaluated
 ROTARY_EVALUATIONS = {"rerope": ["--rotary-scaling", "rerope"], "leaky-rerope": ["--rotary-scaling", "leaky-rerope"],

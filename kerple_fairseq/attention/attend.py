@@ -28,7 +28,7 @@ Other methods plug in as follows:
   ``[heads, ...]`` or ``[batch, heads, ...]`` (or as a score term for FlexAttention);
 - an **attention method** (:mod:`kerple_fairseq.attention.methods`) acts on the queries before any
   backend sees them (scalable softmax, Llama 4's temperature), or needs the scores: a score transform
-  (DAPE, CoPE, selective attention, and ReRoPE's merged logits from
+  (DAPE, CoPE, selective attention, PaTH, and ReRoPE's merged logits from
   :mod:`kerple_fairseq.attention.rotary`) or weights in place of the softmax (stick-breaking), which
   run on the explicit backend, one block at a time.
 

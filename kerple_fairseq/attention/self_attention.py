@@ -155,7 +155,7 @@ class BiasedSelfAttention(MultiheadAttention):
                 states["prev_bias_state"] = state
         method = self.score_transform
         if method is not None and method.cached_state is not None:
-            states[method.cached_state] = method.new_key_state(q)
+            states[method.cached_state] = method.new_key_state(q, k, query)
         if not incremental:
             return k, v, key_padding_mask, states
         if "prev_key" in saved:

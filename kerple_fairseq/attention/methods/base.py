@@ -89,8 +89,9 @@ class AttentionMethod(nn.Module):
         ``first_position + bias.block.query_start``): unchanged, unless the method scales whole logits."""
         return bias
 
-    def new_key_state(self, q: Tensor) -> Tensor:
-        """The state ``[..., new keys]`` of the call's new keys, before they are attended (``cached_state``)."""
+    def new_key_state(self, q: Tensor, k: Tensor, x: Tensor) -> Tensor:
+        """The state ``[..., new keys]`` of the call's new keys, before they are attended (``cached_state``),
+        from the call's queries and keys ``[B, H, T, D]`` (positioned) and the layer input ``x`` ``[T, B, E]``."""
         raise NotImplementedError
 
     def call_transforms(self, state: Optional[Tensor], first_key_position: int) -> "CallTransforms":

@@ -46,7 +46,7 @@ class SelectiveAttention(AttentionMethod):
     def __init__(self, num_heads: int, head_dim: int, selective_attention: bool = True):
         super().__init__()
 
-    def new_key_state(self, q: Tensor) -> Tensor:
+    def new_key_state(self, q: Tensor, k: Tensor, x: Tensor) -> Tensor:
         """Zeros ``[batch, new keys]``: no query has selected a new key yet."""
         dtype = precise(q.dtype)
         return q.new_zeros(q.size(0), q.size(2), dtype=dtype)
