@@ -1,6 +1,9 @@
 """Per-layer position plans (``--layer-positions``): each layer gets the encoding and window its entry
 names, the machinery of the model-wide flags serves every layer (a plan of one entry is the model of
-those flags), decoding equals full scoring, and bad plans are one-line errors."""
+those flags), decoding equals full scoring, bad plans are one-line errors, and today's hybrid layouts
+train through fairseq-train and evaluate at 32x."""
+
+import math
 
 import pytest
 import torch
@@ -8,11 +11,13 @@ import torch
 from kerple_fairseq.attention.methods.attention_temperature import AttentionTemperature
 from kerple_fairseq.analysis.kernel_curves import load_kernel
 from kerple_fairseq.errors import KernelConfigError, UsageError
+from kerple_fairseq.experiments.language_models import model_size_flags
 
-from conftest import assert_finite_falling_loss, train_in_process
+from conftest import TRAIN_LENGTH, assert_finite_falling_loss, train_in_process
 from helpers import tiny_model
 from test_decoding_paths_of_newer_methods import beam_search_matches_full_scoring
 from test_layer_biases import log_probs, tokens_of
+from test_newer_methods_training import evaluate
 
 #: RNoPE-SWA's layout (3 rotary sliding-window layers to 1 global NoPE layer), Llama 4's temperature in the
 #: NoPE layer only, over six layers (the plan repeats)
@@ -139,3 +144,29 @@ def test_a_hybrid_trains_through_fairseq_train(data_bin, tmp_path):
     # the kernel analyses say in one line that they do not draw a plan
     with pytest.raises(UsageError, match=r"each layer its own position encoding \(--layer-positions rotary@16,nope\)"):
         load_kernel(str(tmp_path / "checkpoint_last.pt"), "hybrid")
+
+
+#: today's hybrid layouts, over four or six layers (the plan repeats): RNoPE-SWA (Yang et al. 2025: rotary layers in
+#: a sliding window, one global NoPE layer in four), Llama 4's iRoPE (the same, a window standing in for its
+#: chunked attention, with the temperature in the NoPE layer only) and a Gemma-style 5:1 local/global rotary layout
+LAYOUTS = {
+    "rnope-swa": ["--decoder-layers", "4", "--layer-positions", "rotary@16,rotary@16,rotary@16,nope"],
+    "irope": ["--decoder-layers", "4", "--layer-positions", "rotary@16,rotary@16,rotary@16,nope",
+              "--attn-temperature-tuning", "--attn-temperature-floor-scale", "64"],
+    "gemma": ["--decoder-layers", "6", "--layer-positions",
+              "rotary@16,rotary@16,rotary@16,rotary@16,rotary@16,rotary"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_each_layout_trains_through_fairseq_train_and_evaluates_at_32x(data_bin, tmp_path, layout):
+    updates = 12
+    flags = [*model_size_flags(layers=2, width=32, heads=4), *LAYOUTS[layout]]
+    losses = train_in_process(data_bin, tmp_path, updates, "--arch", "transformer_lm_kerple", "--bias-kernel", "none",
+                              *flags)
+    assert_finite_falling_loss(losses, updates, layout)
+    lengths = [TRAIN_LENGTH, 32 * TRAIN_LENGTH]
+    records = evaluate(data_bin, tmp_path / "checkpoint_last.pt", tmp_path / "eval.json", lengths)
+    assert {length for length, _ in records} == set(lengths)
+    assert all(math.isfinite(r["ppl"]) for r in records.values())
