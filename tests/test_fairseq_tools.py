@@ -6,6 +6,7 @@ generators print as each token's log-probability (computed step by step, with th
 what one forward pass over the whole text gives, and a batch scores and generates as its sentences
 do one at a time."""
 
+import ast
 import math
 import re
 
@@ -16,6 +17,7 @@ from fairseq.models.transformer_lm import TransformerLanguageModel
 
 from conftest import REPO, TRAIN_LENGTH, fairseq_cli, run, stock_eval_lm, train_in_process
 from kerple_fairseq.attention.methods import attention_method_option_fields
+from kerple_fairseq.kernels import option_fields
 from kerple_fairseq.models.config import KernelBiasedLMConfig
 from kerple_fairseq.models.position_methods import bias_names
 from kerple_fairseq.evaluation.loading import load_language_model, token_stream
@@ -29,6 +31,19 @@ pytestmark = pytest.mark.slow
 USER_DIR = str(REPO / "kerple_fairseq")
 
 
+def as_model_flags(eval_flags):
+    """kerple-eval-lm's options of an encoding as model options: ``--model-overrides "{'a_b': v}"`` as ``--a-b v``."""
+    flags, rest = [], list(eval_flags)
+    while rest:
+        flag = rest.pop(0)
+        if flag == "--model-overrides":
+            for key, value in ast.literal_eval(rest.pop(0)).items():
+                flags += [f"--{key.replace('_', '-')}", str(value)]
+        else:
+            flags.append(flag)
+    return flags
+
+
 def every_encoding():
     """fairseq flags by name: the comparison's position encodings (an evaluation-time method such as
     ReRoPE set in the model), then every other kernel and layer bias on ``transformer_lm_kerple`` (each
@@ -36,7 +51,7 @@ def every_encoding():
     flags = {}
     for name in [*POSITION_ENCODINGS, *bias_names()]:
         encoding = position_encoding(name)
-        model_flags = encoding.model_flags() + list(encoding.eval_flags) + \
+        model_flags = encoding.model_flags() + as_model_flags(encoding.eval_flags) + \
             (["--attn-window", "16"] if name == "window" else [])
         if model_flags not in flags.values():
             flags[name] = model_flags
@@ -202,8 +217,9 @@ HYDRA_MODEL = ["model.decoder_layers=2", "model.decoder_embed_dim=32", "model.de
 HYDRA_RUN = ["task.tokens_per_sample=64", "dataset.max_tokens=512", "optimization.max_update=3", "common.cpu=true",
              "common.seed=5", "dataset.num_workers=0", "dataset.disable_validation=true"]
 #: the model options that say how a model encodes position
-POSITION_KEYS = ["bias_kernel", "rotary_embeddings", "rotary_xpos", "token_positional_embeddings", "decoder_learned_pos",
-                 "attn_window", "layer_positions", *(f.name for f in attention_method_option_fields())]
+POSITION_KEYS = ["bias_kernel", "rotary_embeddings", "rotary_xpos", "rotary_fraction", "token_positional_embeddings",
+                 "decoder_learned_pos", "attn_window", "layer_positions",
+                 *(f.name for f in option_fields() + attention_method_option_fields())]
 
 
 def hydra_keys(name):
