@@ -194,8 +194,11 @@ def run_side_by_side(commands: Dict[str, List[str]], limit_s: float, log: Log, e
     procs, readers = {}, []
     for label, cmd in commands.items():
         log(f"$ {shlex.join(cmd)}")
+        # SIGINT back to its default in the step: a check started in the background (nohup ... &) passes
+        # its commands an ignored SIGINT, and pytest would then never write its report when cut
         procs[label] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        errors="replace", env=env, start_new_session=True)
+                                        errors="replace", env=env, start_new_session=True,
+                                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
         def read(label=label, stream=procs[label].stdout):
             for line in stream:
