@@ -10,23 +10,16 @@ from kerple_fairseq.attention.distance_bias import DistanceBlockBias
 from kerple_fairseq.precision import precise
 
 
-class LayerBlockBias:
-    """The bias of one block of queries: the distance bias (causal mask, any attention window, the
-    distance kernel) plus a layer's own bias (:class:`~kerple_fairseq.layer_biases.LayerBias`),
-    summed in float32 and cast once, or, for FlexAttention, added as the layer's score term. Offers
-    what the backends ask of a :class:`DistanceBlockBias`; having no per-distance values, it is never
-    given to the kernel gradient backend. ``first_position`` and ``state`` are what
-    :meth:`~kerple_fairseq.layer_biases.LayerBias.block_bias` takes."""
+class BlockBiasOnTop:
+    """A block's bias built on another's (``base``): the same block, weight and block mask; never given
+    to the kernel gradient backend (it has no per-distance values), and FlexAttention serves it as it
+    serves a layer's own term."""
 
     per_head_parameters = False
     has_layer_term = True
-    only_masks = False
 
-    def __init__(self, base: DistanceBlockBias, layer_bias, first_position: int, state: Optional[Tensor]):
+    def __init__(self, base):
         self.base = base
-        self.layer_bias = layer_bias
-        self.first_position = first_position
-        self.state = state
 
     @property
     def block(self):
@@ -36,12 +29,32 @@ class LayerBlockBias:
     def has_weight(self) -> bool:
         return self.base.has_weight
 
+    def weight(self, dtype: torch.dtype, device) -> Optional[Tensor]:
+        return self.base.weight(dtype, device)
+
+    def block_mask(self, device, key_padding_mask: Optional[Tensor] = None):
+        return self.base.block_mask(device, key_padding_mask)
+
+
+class LayerBlockBias(BlockBiasOnTop):
+    """The bias of one block of queries: the distance bias (causal mask, any attention window, the
+    distance kernel) plus a layer's own bias (:class:`~kerple_fairseq.layer_biases.LayerBias`),
+    summed in float32 and cast once, or, for FlexAttention, added as the layer's score term. Offers
+    what the backends ask of a :class:`DistanceBlockBias`; having no per-distance values, it is never
+    given to the kernel gradient backend. ``first_position`` and ``state`` are what
+    :meth:`~kerple_fairseq.layer_biases.LayerBias.block_bias` takes."""
+
+    only_masks = False
+
+    def __init__(self, base: DistanceBlockBias, layer_bias, first_position: int, state: Optional[Tensor]):
+        super().__init__(base)
+        self.layer_bias = layer_bias
+        self.first_position = first_position
+        self.state = state
+
     @property
     def serves_flex(self) -> bool:
         return self.layer_bias.has_score_term
-
-    def weight(self, dtype: torch.dtype, device) -> Optional[Tensor]:
-        return self.base.weight(dtype, device)
 
     def mask(self, dtype: torch.dtype, device) -> Tensor:
         """``[heads, queries, keys]`` or ``[batch, heads, queries, keys]``: both biases, ``-inf``
@@ -53,6 +66,3 @@ class LayerBlockBias:
     def score_mod(self, dtype: torch.dtype, device) -> flex.ScoreMod:
         return flex.plus(self.base.score_mod(dtype, device),
                          self.layer_bias.score_term(self.block, self.first_position, self.state))
-
-    def block_mask(self, device, key_padding_mask: Optional[Tensor] = None):
-        return self.base.block_mask(device, key_padding_mask)
