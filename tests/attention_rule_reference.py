@@ -144,6 +144,13 @@ def llama4_query_temperature(position, beta=0.1, floor_scale=8192):
     return 1.0 + beta * math.log(math.floor((position + 1) / floor_scale) + 1)
 
 
+def swan_query_scale(position, base=362.0):
+    """SWAN-GPT's inference-time factor on the query at 0-based ``position`` in its global NoPE layers:
+    ``log_a(position + a)`` (HypeNet, 2026, Eq. 11, restating Puvvada et al. 2025; Tencent-Hunyuan/HiLS-Attention's
+    reimplementation, ``a = 362``): 1 at the first token."""
+    return math.log(position + base) / math.log(base)
+
+
 def selective_logits(z):
     """Selective attention (Leviathan et al., ICLR 2025; x-transformers' ``selective_attn``): from
     head 0's causal logits, ``S_kj = relu(z0_kj)`` for ``0 < j < k``, 0 on the diagonal and for the

@@ -43,6 +43,7 @@ FLEX_METHODS.update({
     "rotary-dynamic-ntk": ("none", ["--rotary-embeddings", "--rotary-scaling", "dynamic-ntk",
                                     "--dynamic-ntk-step", "8", "--tokens-per-sample", "16"]),
     "fire": ("fire", ["--fire-threshold", "4"]),
+    "chunked": ("chunked", ["--attn-chunk-size", "8"]),
     "ssmax": ("none", ["--rotary-embeddings", "--ssmax"]),
     "bam-ssmax": ("bam", ["--ssmax"]),  # the bias scaled row by row
     "kerple_log-temperature": ("kerple_log", ["--attn-temperature-tuning", "--attn-temperature-floor-scale", "8"]),

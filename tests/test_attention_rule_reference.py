@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from attention_rule_reference import (causal_softmax, llama4_query_temperature, log_space_stick_breaking,
+from attention_rule_reference import (causal_softmax, llama4_query_temperature, swan_query_scale, log_space_stick_breaking,
                                       rerope_logits, selective_logits, ssmax_logits, stick_breaking)
 
 
@@ -33,6 +33,8 @@ def test_ssmax_with_unit_scale_at_one_key_and_llama4_temperature():
     torch.testing.assert_close(scaled[4, :5], z[4, :5] * math.log(5))
     torch.testing.assert_close(ssmax_logits(z, 0.5, first_position=10)[0, 0], z[0, 0] * 0.5 * math.log(11))
     assert llama4_query_temperature(8190) == 1.0 and llama4_query_temperature(8191) == 1.0 + 0.1 * math.log(2)
+    assert swan_query_scale(0) == 1.0 and math.isclose(swan_query_scale(362), 1.0 + math.log(2) / math.log(362),
+                                                       rel_tol=1e-15)
 
 
 def test_selective_attention_without_positive_head_0_logits_changes_nothing():

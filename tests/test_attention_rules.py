@@ -1,5 +1,5 @@
-"""Stick-breaking attention, scalable softmax, Llama 4's temperature, selective attention and ReRoPE in
-the plugin's attention module against the plain float64 loops of ``attention_rule_reference.py``:
+"""Stick-breaking attention, scalable softmax, Llama 4's temperature, SWAN-GPT's scaling, selective attention,
+PaTH and ReRoPE in the plugin's attention module against the plain float64 loops of ``attention_rule_reference.py``:
 weights or logits to 1e-12, gradients of every input and parameter to 1e-10. Their decoding paths:
 test_decoding_paths_of_newer_methods.py; training and evaluation: test_newer_methods_training.py."""
 
@@ -12,8 +12,9 @@ from kerple_fairseq.attention.self_attention import recorded
 from kerple_fairseq.errors import KernelConfigError
 
 from attention_rule_reference import (bam_prior, llama4_query_temperature, path_inputs, path_logits, rerope_logits,
-                                      selective_logits, ssmax_logits, stick_breaking)
+                                      selective_logits, ssmax_logits, stick_breaking, swan_query_scale)
 from helpers import tiny_model
+from reference import alibi_slopes_reference
 from test_layer_biases import log_probs, method_id, tokens_of
 
 LENGTH, BATCH = 7, 2
@@ -173,6 +174,21 @@ def test_llama4_temperature_scales_the_queries_from_its_floor_on():
     assert_equal_with_gradients(before_softmax(attention, x), reference, [x, *parameters])
 
 
+def test_swan_scaling_scales_the_queries_of_nope_layers_in_evaluation_only():
+    attention, x, parameters = attention_of("alibi", "--swan-scaling", "--swan-scaling-base", "3")
+    q, k, _ = raw_qkv(attention, x)
+    factors = torch.tensor([swan_query_scale(i, base=3.0) for i in range(LENGTH)], dtype=torch.float64)
+    assert factors[0] == 1 and factors[1] > 1
+    alibi = torch.stack([torch.stack([-m * (torch.arange(LENGTH)[:, None] - torch.arange(LENGTH)[None, :])
+                                      .double() for m in alibi_slopes_reference(attention.num_heads)])])
+    unscaled = torch.stack([torch.stack([causal_logits(q[b, h], k[b, h]) for h in range(attention.num_heads)])
+                            for b in range(BATCH)])
+    attention.eval()  # an inference-time scale; the bias is added unscaled
+    assert_equal_with_gradients(before_softmax(attention, x), unscaled * factors[:, None] + alibi, [x, *parameters])
+    attention.train()
+    assert_equal_with_gradients(before_softmax(attention, x), unscaled + alibi, [x, *parameters])
+
+
 @pytest.mark.parametrize("window", [0, 3])
 def test_selective_logits_equal_the_loops(window):
     attention, x, parameters = attention_of("none", "--selective-attention", "--attn-window", str(window))
@@ -250,6 +266,9 @@ def test_ssmax_has_a_scale_per_head_in_each_layer_and_changes_nothing_else():
      "only \\(Llama 4's rule; --attn-temperature-layers all: in every layer\\)"),
     (["--layer-positions", "rotary+attn_temperature,nope"],
      "--layer-positions names attn_temperature in a layer where it does not act"),
+    (["--swan-scaling", "--swan-scaling-base", "1"], "--swan-scaling-base must be a finite number > 1, got 1.0"),
+    (["--rotary-embeddings", "--swan-scaling"],
+     "this model has no layer where --swan-scaling acts: it acts in the layers without rotary embeddings only"),
 ])
 def test_bad_options_are_clear_errors(flags, message):
     with pytest.raises(KernelConfigError, match=message):
@@ -280,6 +299,7 @@ CASES = [  # (bias kernel, flags): each rule alone and over a kernel
               "--tokens-per-sample", "8"]),
     ("none", ["--path-attention"]),
     ("fox", ["--path-attention"]),
+    ("alibi", ["--swan-scaling", "--swan-scaling-base", "4"]),
 ]
 #: PaTH carries every key to each query in turn, a Python step per query: half precision is checked at 4096 tokens
 #: without gradients and at 512 with them (test_path_in_half_precision), not here
@@ -294,7 +314,8 @@ def test_the_rule_changes_what_the_model_computes(case):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
-    rule = {"--stick-breaking", "--selective-attention", "--ssmax", "--attn-temperature-tuning", "--path-attention"}
+    rule = {"--stick-breaking", "--selective-attention", "--ssmax", "--attn-temperature-tuning", "--path-attention",
+            "--swan-scaling"}
     plain = [f for f in flags if f not in rule]
     if "--rotary-scaling" in plain:
         plain = plain[:plain.index("--rotary-scaling")]

@@ -40,6 +40,13 @@ POSITION_ENCODINGS = {
     "bam_ssmax": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "bam", "--ssmax", "--ssmax-scale-init", "1"],
     "bam_ssmax_queries": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "bam", "--ssmax",
                           "--ssmax-scale-init", "1", "--ssmax-scope", "queries"],
+    "bam": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "bam"],
+    "rnope_swa": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "none", "--layer-positions", "rotary@16,nope"],
+    "swan": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "none", "--layer-positions", "rotary@16,nope"],
+    "irope": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "none", "--layer-positions", "rotary+chunked,nope",
+              "--attn-chunk-size", "16", "--attn-temperature-tuning", "--attn-temperature-floor-scale", "16"],
+    "gemma": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "none", "--layer-positions", "rotary@16,rotary"],
+    "path": ["--arch", "transformer_lm_kerple{size}", "--bias-kernel", "none", "--path-attention"],
 }
 #: what a model is evaluated with on top (the same trained model)
 EVALUATED_WITH = {"rotary_ntk": ("--rotary-scaling", "ntk"), "rotary_dynamic_ntk": ("--rotary-scaling", "dynamic-ntk"),
@@ -48,7 +55,8 @@ EVALUATED_WITH = {"rotary_ntk": ("--rotary-scaling", "ntk"), "rotary_dynamic_ntk
                   "rotary_leaky_rerope": ("--rotary-scaling", "leaky-rerope", "--model-overrides",
                                           "{'rerope_query_scale': 'log'}"),
                   "rotary_rerope_unscaled": ("--rotary-scaling", "rerope", "--model-overrides",
-                                             "{'rerope_query_scale': 'none'}")}
+                                             "{'rerope_query_scale': 'none'}"),
+                  "swan": ("--model-overrides", "{'swan_scaling': True}")}
 POSITION_PARAMETERS = ("embed_positions.", "attention_bias.kernel.", "self_attn.layer_bias.", "self_attn.score_transform.",
                        "self_attn.query_scales.")
 
@@ -102,6 +110,11 @@ def assert_differ_only_in_position(models):
     assert encoded["p_rope"] == encoded["rotary_rerope_unscaled"] == 0
     # BAM's shape, scale and location per head, once per model; SSMax's scale per head and layer
     assert encoded["bam_ssmax"] == encoded["bam_ssmax_queries"] == 3 * heads + layers * heads
+    assert encoded["bam"] == 3 * heads
+    # the layouts add no parameter (iRoPE's temperature and SWAN-GPT's scaling have none)
+    assert encoded["rnope_swa"] == encoded["swan"] == encoded["irope"] == encoded["gemma"] == 0
+    # per layer: PaTH's W1 [32, E], W2 [E, 32], depthwise convolution over 3 tokens [E, 1, 3], beta's Linear(E, H)
+    assert encoded["path"] == layers * (32 * width + width * 32 + 3 * width + width * heads + heads)
 
 
 def test_compared_models_are_among_those_checked_here():

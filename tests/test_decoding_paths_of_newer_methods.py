@@ -1,4 +1,4 @@
-"""FIRE, FoX, DAPE (over no bias, ALiBi, KERPLE-log, a weight kernel, rotary, FIRE and FoX), CoPE
+"""FIRE, FoX, chunked attention, DAPE (over no bias, ALiBi, KERPLE-log, a weight kernel, rotary, FIRE and FoX), CoPE
 (alone and over ALiBi, KERPLE-log, rotary, FIRE and a weight kernel), stick-breaking, selective
 attention, scalable softmax, Llama 4's temperature and ReRoPE on every decoding path:
 incremental decoding and beam search equal full scoring, blocks equal one block, a trimmed cache
@@ -13,8 +13,10 @@ from test_cope import CASES as COPE_CASES, cope_model
 from test_layer_biases import METHODS, log_probs, method_id, tokens_of
 from test_dape import CASES as DAPE_CASES
 
-NEWER_METHODS = METHODS + DAPE_CASES + COPE_CASES + RULE_CASES
-WITH_A_WINDOW = (METHODS + DAPE_CASES)[:6] + COPE_CASES[:4] + RULE_CASES  # for the trimmed cache
+#: chunked attention (chunks of 8, longer than the trimmed cache's window of 6), alone and with rotary
+CHUNKED = [("chunked", ["--attn-chunk-size", "8"]), ("chunked", ["--attn-chunk-size", "8", "--rotary-embeddings"])]
+NEWER_METHODS = METHODS + CHUNKED + DAPE_CASES + COPE_CASES + RULE_CASES
+WITH_A_WINDOW = METHODS + CHUNKED + DAPE_CASES[:3] + COPE_CASES[:4] + RULE_CASES  # for the trimmed cache
 
 
 def model_of(kernel, *flags):

@@ -32,13 +32,17 @@ USER_DIR = str(REPO / "kerple_fairseq")
 
 
 def as_model_flags(eval_flags):
-    """kerple-eval-lm's options of an encoding as model options: ``--model-overrides "{'a_b': v}"`` as ``--a-b v``."""
+    """kerple-eval-lm's options of an encoding as model options: ``--model-overrides "{'a_b': v}"`` as ``--a-b v``
+    (a switch ``{'a_b': True}`` as ``--a-b``)."""
     flags, rest = [], list(eval_flags)
     while rest:
         flag = rest.pop(0)
         if flag == "--model-overrides":
             for key, value in ast.literal_eval(rest.pop(0)).items():
-                flags += [f"--{key.replace('_', '-')}", str(value)]
+                if value is True:
+                    flags.append(f"--{key.replace('_', '-')}")
+                elif value is not False:
+                    flags += [f"--{key.replace('_', '-')}", str(value)]
         else:
             flags.append(flag)
     return flags

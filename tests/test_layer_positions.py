@@ -147,12 +147,14 @@ def test_a_hybrid_trains_through_fairseq_train(data_bin, tmp_path):
 
 
 #: today's hybrid layouts, over four or six layers (the plan repeats): RNoPE-SWA (Yang et al. 2025: rotary layers in
-#: a sliding window, one global NoPE layer in four), Llama 4's iRoPE (the same, a window standing in for its
-#: chunked attention, with the temperature in the NoPE layer only) and a Gemma-style 5:1 local/global rotary layout
+#: a sliding window, one global NoPE layer in four), SWAN-GPT (the same, its scaling of the NoPE layer's queries
+#: acting in evaluation only), Llama 4's iRoPE (rotary layers with chunked attention, one
+#: global NoPE layer in four, the temperature in the NoPE layer only) and a Gemma-style 5:1 local/global rotary layout
 LAYOUTS = {
     "rnope-swa": ["--decoder-layers", "4", "--layer-positions", "rotary@16,rotary@16,rotary@16,nope"],
-    "irope": ["--decoder-layers", "4", "--layer-positions", "rotary@16,rotary@16,rotary@16,nope",
-              "--attn-temperature-tuning", "--attn-temperature-floor-scale", "64"],
+    "swan": ["--decoder-layers", "4", "--layer-positions", "rotary@16,rotary@16,rotary@16,nope", "--swan-scaling"],
+    "irope": ["--decoder-layers", "4", "--layer-positions", "rotary+chunked,rotary+chunked,rotary+chunked,nope",
+              "--attn-chunk-size", "16", "--attn-temperature-tuning", "--attn-temperature-floor-scale", "64"],
     "gemma": ["--decoder-layers", "6", "--layer-positions",
               "rotary@16,rotary@16,rotary@16,rotary@16,rotary@16,rotary"],
 }
@@ -170,3 +172,7 @@ def test_each_layout_trains_through_fairseq_train_and_evaluates_at_32x(data_bin,
     records = evaluate(data_bin, tmp_path / "checkpoint_last.pt", tmp_path / "eval.json", lengths)
     assert {length for length, _ in records} == set(lengths)
     assert all(math.isfinite(r["ppl"]) for r in records.values())
+    if layout == "swan":  # the scaling acts in evaluation: without it, the same checkpoint scores otherwise
+        unscaled = evaluate(data_bin, tmp_path / "checkpoint_last.pt", tmp_path / "unscaled.json", lengths,
+                            "--model-overrides", "{'swan_scaling': False}")
+        assert all(unscaled[key]["ppl"] != records[key]["ppl"] for key in records)

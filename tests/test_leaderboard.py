@@ -153,11 +153,14 @@ def test_missing_results_are_named_and_a_diverged_model_ranks_last():
 
 def test_every_compared_encoding_has_a_family_and_adds_to_its_baseline():
     """A family's baseline is the model it adds to: the same architecture, its flags among the encoding's
-    (CoPE's is NoPE: CoPE's positions taken away)."""
+    (CoPE's is NoPE: CoPE's positions taken away; a layout of rotary layers, some windowed, chunked or NoPE, is
+    compared with rotary in every layer)."""
     for name, encoding in POSITION_ENCODINGS.items():
         assert encoding.family in FAMILIES, name
         baseline = POSITION_ENCODINGS[encoding.baseline]
-        if encoding.baseline != "alibi" and name != "cope":
+        if "--layer-positions" in encoding.flags and encoding.baseline == "rotary":
+            assert "rotary" in encoding.flags[encoding.flags.index("--layer-positions") + 1], name
+        elif encoding.baseline != "alibi" and name != "cope":
             assert baseline.architecture == encoding.architecture and set(baseline.flags) <= set(encoding.flags), name
     assert {POSITION_ENCODINGS[n].baseline for n in ("rotary_ntk", "rotary_yarn", "xpos", "ssmax", "rotary_rerope")} == {"rotary"}
     assert POSITION_ENCODINGS["dape_kerple_log"].baseline == "kerple_log"

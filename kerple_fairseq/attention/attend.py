@@ -158,16 +158,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: DistanceBlockBias, *, preferen
     scores = biased_scores(q, k, bias, key_padding_mask, score_transform)
     if record is not None and record.keep_logits:
         record.logits.append(scores)
+    sees_nothing = None
+    if key_padding_mask is not None:
+        # a padded query whose window (or chunk) holds only padding sees no key: it attends to nothing
+        # (as in FlexAttention), its row computed from zeros so that neither its values nor its gradient
+        # is NaN (a NaN there would reach every parameter through the backward pass)
+        sees_nothing = torch.isneginf(scores).all(dim=-1, keepdim=True)
+        scores = scores.masked_fill(sees_nothing, 0.0)
     if weights is not None:
         probabilities = weights(scores, bias.block)
     else:
         # in float32 for half-precision scores (as fairseq does), in float64 for float64 ones
         probabilities = torch.softmax(scores, dim=-1,
                                       dtype=precise(scores.dtype))
-    if key_padding_mask is not None:
-        # a padded query whose window holds only padding sees no key: it attends to nothing (as in
-        # FlexAttention) rather than spreading NaN through the padded values into later layers
-        probabilities = probabilities.nan_to_num(0.0)
+    if sees_nothing is not None:
+        probabilities = probabilities.masked_fill(sees_nothing, 0.0)
     attended = torch.matmul(F.dropout(probabilities.type_as(q), p=dropout, training=dropout > 0), v)
     return attended, probabilities if need_probabilities else None
 

@@ -44,8 +44,6 @@ class LayerBlockBias(BlockBiasOnTop):
     given to the kernel gradient backend. ``first_position`` and ``state`` are what
     :meth:`~kerple_fairseq.layer_biases.LayerBias.block_bias` takes."""
 
-    only_masks = False
-
     def __init__(self, base: DistanceBlockBias, layer_bias, first_position: int, state: Optional[Tensor]):
         super().__init__(base)
         self.layer_bias = layer_bias
@@ -55,6 +53,11 @@ class LayerBlockBias(BlockBiasOnTop):
     @property
     def serves_flex(self) -> bool:
         return self.layer_bias.has_score_term
+
+    @property
+    def only_masks(self) -> bool:
+        """Both biases are 0 wherever they are finite (a mask such as chunked attention on no kernel)."""
+        return self.base.only_masks and not self.layer_bias.encodes_position
 
     def mask(self, dtype: torch.dtype, device) -> Tensor:
         """``[heads, queries, keys]`` or ``[batch, heads, queries, keys]``: both biases, ``-inf``

@@ -77,6 +77,28 @@ POSITION_ENCODINGS = {
     "bam_ssmax_queries": PositionEncoding("BAM+SSMax on q.k", "kerple", (
         "--bias-kernel", "bam", "--ssmax", "--ssmax-scale-init", "1", "--ssmax-scope", "queries"),
         baseline="bam_ssmax"),
+    # BAM's prior alone (its location, scale and shape learned), against ALiBi
+    "bam": PositionEncoding("BAM", "kerple", ("--bias-kernel", "bam")),
+    # hybrid layouts over the comparison's two layers (their papers' 1 global layer in 4, or Gemma's 1 in 6, is
+    # 1 in 2 here), the local layers' span a quarter of the training length: RNoPE-SWA (rotary in a sliding
+    # window, a global NoPE layer),
+    "rnope_swa": PositionEncoding("RNoPE-SWA", "kerple", ("--bias-kernel", "none", "--layer-positions", "rotary@16,nope"),
+                                  family=ROTARY, baseline="rotary"),
+    # SWAN-GPT: the same model, evaluated with its scaling of the global layers' queries
+    "swan": PositionEncoding("SWAN-GPT", "kerple", ("--bias-kernel", "none", "--layer-positions", "rotary@16,nope"),
+                             eval_flags=("--model-overrides", "{'swan_scaling': True}"), family=ROTARY,
+                             baseline="rnope_swa"),
+    # Llama 4's iRoPE: rotary with chunked attention, a global NoPE layer with the temperature (its floor scale
+    # equal to the chunk, as Llama 4's 8192 is)
+    "irope": PositionEncoding("iRoPE", "kerple", (
+        "--bias-kernel", "none", "--layer-positions", "rotary+chunked,nope", "--attn-chunk-size", "16",
+        "--attn-temperature-tuning", "--attn-temperature-floor-scale", "16"), family=ROTARY, baseline="rotary"),
+    # Gemma-style: rotary everywhere, a sliding-window layer and a global one
+    "gemma": PositionEncoding("rotary local/global", "kerple", (
+        "--bias-kernel", "none", "--layer-positions", "rotary@16,rotary"), family=ROTARY, baseline="rotary"),
+    # PaTH's accumulated Householder transforms of the keys, no other position encoding
+    "path": PositionEncoding("PaTH", "kerple", ("--bias-kernel", "none", "--path-attention"), family=CONTEXTUAL,
+                             baseline="nope"),
 }
 # learned positions are not among them: they cannot be evaluated beyond the training length
 

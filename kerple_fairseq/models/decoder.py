@@ -65,9 +65,10 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
     of its ``distance_kernel``."""
     heads = args.decoder_attention_heads
     head_dim = args.decoder_embed_dim // heads
-    layer_bias = None
+    layer_bias = layer_bias_name = None
     kernel_name = args.bias_kernel if entry is None else entry.bias
     if kernel_name in LAYER_BIASES:
+        layer_bias_name = kernel_name
         layer_bias = partial(build_layer_bias, kernel_name, heads, args.decoder_embed_dim, args)
         layer_bias()  # options are checked once, before any layer is built
         kernel_name = LAYER_BIASES[kernel_name].distance_kernel
@@ -85,6 +86,11 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
             raise KernelConfigError(f"--layer-positions names {method.name} in a layer where it does not act: it "
                                     f"{method.layer_rule}")
     methods = [m for m in methods if m.acts_in_layer(args, rotary)]
+    if layer_bias_name is not None and LAYER_BIASES[layer_bias_name].limits_keys_by_position:
+        counting = [f"--{m.switch.replace('_', '-')}" for m in methods if m.counts_keys_seen]
+        if counting:
+            raise KernelConfigError(f"{' and '.join(counting)} counts the keys each query sees, which the "
+                                    f"{layer_bias_name} bias limits by position: not supported together")
     check_composition(methods, [f"--rotary-scaling {rotary_scaling}"] if rotary and rotary_scaling in RE_ROPE else [])
     builders = [partial(method.build, heads, head_dim, args) for method in methods]
     for build in builders:

@@ -1,5 +1,5 @@
 """Attention methods, one module per method (DAPE, CoPE, selective attention, stick-breaking, scalable
-softmax, Llama 4's attention temperature, PaTH).
+softmax, Llama 4's attention temperature, SWAN-GPT's scaling, PaTH).
 
 Every module of this package is imported here, so a new method is one file with a
 :func:`register_attention_method`-decorated :class:`AttentionMethod` subclass.

@@ -7,7 +7,8 @@ import torch
 from fairseq.dataclass import ChoiceEnum
 from torch import Tensor
 
-from kerple_fairseq.attention.methods.base import QUERIES, AttentionMethod, register_attention_method
+from kerple_fairseq.attention.methods.base import register_attention_method
+from kerple_fairseq.attention.methods.position_factor import PositionFactor
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.kernels.registry import SAVED_BEFORE
 
@@ -33,7 +34,7 @@ class TemperatureOptions:
 
 
 @register_attention_method("attn_temperature")
-class AttentionTemperature(AttentionMethod):
+class AttentionTemperature(PositionFactor):
     """Llama 4's attention temperature tuning (Meta, 2025; transformers' ``Llama4TextAttention``): the
     query at position ``i`` is multiplied by ``1 + beta * log(floor((i + 1) / F) + 1)``, 1 before
     position ``F - 1``, growing with the log of the length beyond it. The logits ``q . k`` scale and a
@@ -43,15 +44,12 @@ class AttentionTemperature(AttentionMethod):
 
     options = TemperatureOptions
     switch = "attn_temperature_tuning"
-    acts_on = QUERIES
-    precedence = 1  # after a model's learned query scales (an evaluation-time factor)
     layer_rule = ("acts in the layers without rotary embeddings only (Llama 4's rule; --attn-temperature-layers all: "
                   "in every layer)")
 
     @classmethod
     def acts_in_layer(cls, cfg, rotary: bool) -> bool:
         return not rotary or str(getattr(cfg, "attn_temperature_layers", "nope")) == "all"
-
 
     def __init__(self, num_heads: int = 0, head_dim: int = 0, attn_temperature_tuning: bool = True,
                  attn_temperature_floor_scale: int = TEMPERATURE_FLOOR_SCALE,
@@ -66,10 +64,8 @@ class AttentionTemperature(AttentionMethod):
             raise KernelConfigError(f"--attn-temperature-scale must be a finite number, got {attn_temperature_scale}")
         self.floor_scale, self.beta = attn_temperature_floor_scale, float(attn_temperature_scale)
 
-    def scale_queries(self, q: Tensor, first_position: int, keys_seen: int) -> Tensor:
-        positions = torch.arange(first_position, first_position + q.size(2), dtype=torch.float64, device=q.device)
-        factor = 1.0 + self.beta * torch.log(torch.floor((positions + 1) / self.floor_scale) + 1)
-        return q * factor.to(q.dtype)[:, None]
+    def factor(self, positions: Tensor) -> Tensor:
+        return 1.0 + self.beta * torch.log(torch.floor((positions + 1) / self.floor_scale) + 1)
 
     def extra_repr(self) -> str:
         return f"floor_scale={self.floor_scale}, scale={self.beta:g}"

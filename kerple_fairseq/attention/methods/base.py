@@ -40,6 +40,8 @@ class AttentionMethod(nn.Module):
     switch: ClassVar[str] = ""
     acts_on: ClassVar[str] = SCORES
     cached_state: ClassVar[Optional[str]] = None
+    #: it reads the number of keys a query sees (``keys_seen``): refused where a layer bias limits them by position
+    counts_keys_seen: ClassVar[bool] = False
     #: methods of one stage act in increasing ``precedence`` (ties: the registry's order)
     precedence: ClassVar[int] = 0
 

@@ -56,6 +56,7 @@ class ScalableSoftmax(AttentionMethod):
     options = SsmaxOptions
     switch = "ssmax"
     acts_on = QUERIES
+    counts_keys_seen = True
 
     def __init__(self, num_heads: int, head_dim: int = 0, ssmax: bool = True,
                  ssmax_scale_init: float = SSMAX_SCALE_INIT, ssmax_scope: str = "logits"):

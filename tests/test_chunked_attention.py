@@ -1,0 +1,120 @@
+"""Chunked attention (``--bias-kernel chunked``, Llama 4's): the mask against its definition by loops, a chunk
+scored as the same model scores that chunk alone, every backend and block size equal to the explicit path,
+finite in half precision at long lengths, and the combinations it refuses."""
+
+import math
+
+import pytest
+import torch
+
+from kerple_fairseq.attention.blocks import query_blocks
+from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.layer_biases import build_layer_bias
+
+from helpers import tiny_model
+from test_layer_biases import log_probs, tokens_of
+
+CHUNK = 8
+
+
+def chunk_mask_by_loops(chunk, first_position, block):
+    """``[queries, keys]``: 0 where query and key share a chunk of absolute positions, else -inf (float64)."""
+    rows = []
+    for t in range(block.num_queries):
+        i = first_position + block.query_start + t
+        row = []
+        for s in range(block.num_keys):
+            j = i - (block.offset + t - s)
+            row.append(0.0 if math.floor(i / chunk) == math.floor(j / chunk) else -math.inf)
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("first_position", [0, 5, 13])
+@pytest.mark.parametrize("block_size, window", [(0, 0), (4, 0), (4, 6)])
+def test_the_mask_is_the_definition(first_position, block_size, window):
+    bias = build_layer_bias("chunked", 3, 12, type("Cfg", (), {"attn_chunk_size": 5})())
+    num_queries = 11
+    # the call's queries are the last of its keys: key 0 at absolute position 0, query 0 at first_position
+    for block in query_blocks(num_queries, first_position + num_queries, block_size, window):
+        out = bias.block_bias(block, first_position, None)
+        assert out.shape == (3, block.num_queries, block.num_keys) and out.dtype == torch.float32
+        expected = chunk_mask_by_loops(5, first_position, block)
+        for head in range(3):
+            torch.testing.assert_close(out[head].double(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rotary", [False, True], ids=["nope", "rotary"])
+def test_each_chunk_is_scored_as_the_model_scores_that_chunk_alone(rotary):
+    """An independent reference: with no absolute positions, a query that sees only its chunk's keys (in every
+    layer) computes what the same weights compute on the chunk's tokens alone, without chunks."""
+    extra = ["--rotary-embeddings"] if rotary else []
+    torch.manual_seed(0)
+    chunked = tiny_model("chunked", "--attn-chunk-size", str(CHUNK), *extra).double().eval()
+    whole = tiny_model("none", *extra).double().eval()
+    whole.load_state_dict(chunked.state_dict())
+    tokens = tokens_of(2, 30)
+    scored = log_probs(chunked, tokens)
+    for start in range(0, 30, CHUNK):
+        alone = log_probs(whole, tokens[:, start:start + CHUNK])
+        torch.testing.assert_close(scored[:, start:start + CHUNK], alone, rtol=0, atol=1e-10)
+    assert (scored - log_probs(whole, tokens)).abs().max() > 1e-3, "chunks change the result"
+
+
+@pytest.mark.parametrize("backend", ["sdpa"])  # FlexAttention: tests/test_flex_attention.py (FLEX_METHODS)
+def test_every_backend_equals_the_explicit_path(backend):
+    torch.manual_seed(0)
+    explicit = tiny_model("chunked", "--attn-chunk-size", str(CHUNK), "--rotary-embeddings",
+                          "--attention-backend", "explicit").eval()
+    other = tiny_model("chunked", "--attn-chunk-size", str(CHUNK), "--rotary-embeddings",
+                       "--attention-backend", backend).eval()
+    other.load_state_dict(explicit.state_dict())
+    tokens = tokens_of(2, 40)
+    torch.testing.assert_close(log_probs(other, tokens), log_probs(explicit, tokens), rtol=0, atol=1e-5)
+
+
+def test_a_plan_puts_chunks_in_the_rotary_layers_only():
+    """Llama 4's iRoPE: rotary layers with chunked attention and a global NoPE layer."""
+    model = tiny_model("none", "--decoder-layers", "4", "--layer-positions", "rotary+chunked,rotary+chunked,nope",
+                       "--attn-chunk-size", str(CHUNK))
+    layers = [layer.self_attn for layer in model.decoder.layers]
+    assert [a.setup.rotary is not None for a in layers] == [True, True, False, True]
+    assert [getattr(a.layer_bias, "chunk_size", None) for a in layers] == [CHUNK, CHUNK, None, CHUNK]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_at_long_lengths_is_finite_and_close(dtype):
+    torch.manual_seed(0)
+    model = tiny_model("chunked", "--attn-chunk-size", "64", "--rotary-embeddings").eval()
+    tokens = tokens_of(1, 2048)
+    with torch.no_grad():
+        full = torch.log_softmax(model(tokens)[0].float(), dim=-1)
+        half = torch.log_softmax(model.to(dtype)(tokens)[0].float(), dim=-1)
+    assert torch.isfinite(half).all()
+    assert (half - full).abs().mean() < 0.05
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--attn-chunk-size", "0"], "--attn-chunk-size must be >= 1"),
+    (["--ssmax"], "--ssmax counts the keys each query sees, which the chunked bias limits by position"),
+])
+def test_bad_combinations_are_clear_errors(flags, message):
+    with pytest.raises(KernelConfigError, match=message):
+        tiny_model("chunked", *flags)
+
+
+@pytest.mark.parametrize("flags", [["chunked", "--attn-chunk-size", "4"], ["none", "--attn-window", "2"]],
+                         ids=["chunk", "window"])
+def test_a_padded_query_that_sees_no_key_leaves_the_gradients_finite(flags):
+    """In a right-padded batch (fairseq's --sample-break-mode eos), a padded query at the start of a chunk (or
+    whose window holds only padding) sees no key: it attends to nothing, and the gradients stay finite."""
+    torch.manual_seed(0)
+    model = tiny_model(*flags).train()
+    tokens = tokens_of(2, 16)
+    tokens[1, 9:] = model.decoder.padding_idx  # padded queries 12..15 see only padded keys (chunk 12..15)
+    logits = model(tokens)[0]
+    real = tokens.ne(model.decoder.padding_idx)
+    torch.log_softmax(logits[real].double(), dim=-1).mean().backward()
+    assert torch.isfinite(logits[real]).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
