@@ -18,6 +18,7 @@ from fairseq.models.transformer_lm import TransformerLanguageModel
 from conftest import REPO, TRAIN_LENGTH, fairseq_cli, run, stock_eval_lm, train_in_process
 from kerple_fairseq.attention.methods import attention_method_option_fields
 from kerple_fairseq.kernels import option_fields
+from kerple_fairseq.layer_biases import layer_bias_option_fields
 from kerple_fairseq.models.config import KernelBiasedLMConfig
 from kerple_fairseq.models.position_methods import bias_names
 from kerple_fairseq.evaluation.loading import load_language_model, token_stream
@@ -223,7 +224,7 @@ HYDRA_RUN = ["task.tokens_per_sample=64", "dataset.max_tokens=512", "optimizatio
 #: the model options that say how a model encodes position
 POSITION_KEYS = ["bias_kernel", "rotary_embeddings", "rotary_xpos", "rotary_fraction", "token_positional_embeddings",
                  "decoder_learned_pos", "attn_window", "layer_positions",
-                 *(f.name for f in option_fields() + attention_method_option_fields())]
+                 *(f.name for f in option_fields() + layer_bias_option_fields() + attention_method_option_fields())]
 
 
 def hydra_keys(name):
@@ -238,7 +239,9 @@ def hydra_keys(name):
         value = getattr(args, key, default)  # fairseq leaves out the model options not given
         stated = yaml[key] if key in yaml else default
         if str(value) != str(stated):
-            keys.append(f"{'' if key in yaml else '+'}model.{key}={str(value).lower() if isinstance(value, bool) else value}")
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            text = f"'{text}'" if "," in text else text  # Hydra reads an unquoted comma as a list (a plan's entries)
+            keys.append(f"{'' if key in yaml else '+'}model.{key}={text}")
     return keys
 
 

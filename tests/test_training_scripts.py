@@ -110,7 +110,8 @@ def test_gpu_command_is_the_fp16_multi_gpu_recipe(monkeypatch, capsys, tmp_path)
     ("alibi_v2", [], "unknown model 'alibi_v2': choose a position encoding (sinusoidal, rotary, nope, t5, alibi, "
                      "kerple_log, fire, fox, dape_alibi, dape_kerple_log, rotary_ntk, rotary_dynamic_ntk, rotary_yarn, "
                      "xpos, cope, stick_breaking, selective, ssmax, rotary_rerope, rotary_leaky_rerope, "
-                     "rotary_rerope_unscaled, p_rope, bam_ssmax, bam_ssmax_queries) or a position "
+                     "rotary_rerope_unscaled, p_rope, bam_ssmax, bam_ssmax_queries, bam, rnope_swa, swan, irope, "
+                     "gemma, path) or a position "
                      "method (bias kernels: alibi, alibi_rf, "),
 ])
 def test_bad_input_is_one_line(data_bin, model, flags, message):
