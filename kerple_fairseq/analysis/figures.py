@@ -198,13 +198,18 @@ def leaderboard(curves: List[Tuple[str, str, str, Sequence[int], Sequence[float]
                              squeeze=False, sharex=True)
     for row, protocol in zip(axes, protocols):
         for ax, family in zip(row, families):
+            drawn = 0
             for label, f, p, lengths, mean, low, high in curves:
                 if p != protocol or (f != family and label != reference):
                     continue
                 if f != family:
                     ax.plot(lengths, mean, color="grey", ls="--", lw=1.2, label=label)
                     continue
-                line, = ax.plot(lengths, mean, marker="o", ms=3, lw=1.5, label=label)
+                # ten colours, solid and then dash-dotted with square markers: a crowded family stays readable
+                second = drawn % 20 >= 10
+                line, = ax.plot(lengths, mean, marker="s" if second else "o", ms=3, lw=1.5, label=label,
+                                color=plt.cm.tab10(drawn % 10), ls="-." if second else "-")
+                drawn += 1
                 ax.fill_between(lengths, low, high, color=line.get_color(), alpha=0.2, lw=0)
             ax.axvline(train_length, color="grey", ls=":", lw=1)
             ax.set_xscale("log", base=2)
@@ -217,7 +222,7 @@ def leaderboard(curves: List[Tuple[str, str, str, Sequence[int], Sequence[float]
             ax.xaxis.set_minor_locator(plt.matplotlib.ticker.NullLocator())
             ax.set_title(f"{family}\n{protocol}", fontsize=9)
             ax.grid(alpha=0.3, which="both")
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=7 if drawn <= 8 else 5.5, ncol=1 if drawn <= 8 else 2)
         row[0].set_ylabel("validation perplexity")
     for ax in axes[-1]:
         ax.set_xlabel("evaluation length L")
