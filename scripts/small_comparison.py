@@ -49,8 +49,8 @@ def parse_args():
                    help="keep the most frequent words, the rest become <unk> (CPU cost is dominated by "
                    "the output layer; 0 keeps all)")
     p.add_argument("--train-length", type=int, default=64, help="tokens per training sample (default: 64)")
-    p.add_argument("--eval-lengths", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048],
-                   help="evaluation lengths, each under both protocols (default: 64 to 2048, 1x to 32x the training length)")
+    p.add_argument("--eval-lengths", type=int, nargs="+",
+                   help="evaluation lengths, each under both protocols (default: 1x, 2x, 4x ... 32x the training length)")
     p.add_argument("--num-targets", type=int, default=200, help="targets of the last-token protocol")
     p.add_argument("--num-segments", type=int, default=32,
                    help="segments of the receptive-field analysis (at the largest evaluation length)")
@@ -66,6 +66,19 @@ def parse_args():
                    "all: every one named here); the first is the baseline of the paired comparison")
     p.add_argument("--analyses", nargs="*", choices=ANALYSES, default=list(ANALYSES),
                    help="the kerple-analyze analyses run at the end (default: all; none with an empty list)")
+    p.add_argument("--other-length", type=Path, metavar="DIR",
+                   help="the --out of the same comparison at another --train-length (e.g. results/leaderboard): its "
+                   "records give each model's relative cost for the estimate, its ranking the models kept at every "
+                   "seed under --budget-hours, and both-lengths.{md,csv,png} show the two training lengths together")
+    p.add_argument("--budget-hours", type=float,
+                   help="when the runs left would take longer (estimated after the first run), every seed only for "
+                   "--every-seed-for, the top --every-seed-top of --other-length and what they are compared with, "
+                   "the first seed for the others; run again with more (or none) to add seeds (default: no budget)")
+    p.add_argument("--every-seed-for", nargs="+", default=[], choices=list(POSITION_ENCODINGS), metavar="MODEL",
+                   help="models that keep every seed under --budget-hours")
+    p.add_argument("--every-seed-top", type=int, default=8,
+                   help="the best models at --other-length's longest length (early-token-cursed) that keep every "
+                   "seed under --budget-hours (default: 8)")
     p.add_argument("--kernel-parameterization", choices=PARAMETERIZATIONS, default="clamp",
                    help="how KERPLE-log's parameters stay positive: clamp (KERPLE's reference, default) or softplus")
     return p.parse_args()
@@ -91,8 +104,19 @@ def main():
         fail("--models names a model twice")
     if len(set(args.seeds)) != len(args.seeds):
         fail("--seeds names a seed twice")
+    if args.eval_lengths is None:
+        args.eval_lengths = [args.train_length * 2 ** k for k in range(6)]
     if any(n <= 0 for n in [args.train_length, args.updates, args.num_targets, args.num_segments, *args.eval_lengths]):
         fail("--train-length, --updates, --num-targets, --num-segments and --eval-lengths must be positive")
+    if args.budget_hours is not None and args.budget_hours <= 0:
+        fail("--budget-hours must be positive")
+    if args.every_seed_top < 0:
+        fail("--every-seed-top must be zero or more")
+    if args.other_length is not None and not args.other_length.is_dir():
+        fail(f"--other-length {args.other_length} is not a directory: give the --out of a comparison at another "
+             "training length")
+    if args.other_length is not None and args.other_length.resolve() == args.out.resolve():
+        fail("--other-length names --out itself: give the comparison at the other training length")
     try:
         tokens_dir = Path(args.wikitext_dir) if args.wikitext_dir else downloaded_sample(
             args.url, args.download_dir, log=stage)

@@ -53,11 +53,11 @@ def board():
     scores = synthetic_scores(np.random.default_rng(0))
     entrants = [Entrant(name, POSITION_ENCODINGS[name].label, POSITION_ENCODINGS[name].family,
                         ["alibi", POSITION_ENCODINGS[name].baseline],
-                        [[{"protocol": p, "length": n, "ppl": perplexity(scores[name, k][p, n])}
-                          for p in PROTOCOLS for n in LENGTHS] for k in range(len(SEEDS))])
+                        {seed: [{"protocol": p, "length": n, "ppl": perplexity(scores[name, k][p, n])}
+                                for p in PROTOCOLS for n in LENGTHS] for k, seed in enumerate(SEEDS)})
                 for name in MODELS]
     spans = {run: {key: SpanLosses.of(t) for key, t in scored.items()} for run, scored in scores.items()}
-    return leaderboard.build(entrants, SEEDS, LENGTHS[0], lambda name, k: spans[name, k], samples=400), scores
+    return leaderboard.build(entrants, LENGTHS[0], lambda name, seed: spans[name, SEEDS.index(seed)], samples=400), scores
 
 
 def test_means_ranks_and_changes_by_direct_computation(board):
@@ -83,6 +83,7 @@ def test_each_seed_is_paired_with_the_same_seed_of_each_reference(board):
     # ALiBi for all but itself; rotary for the rotary family; kerple_log's and rotary's baseline is ALiBi
     assert pairs == {("rotary", "alibi"), ("rotary_yarn", "alibi"), ("rotary_yarn", "rotary"), ("kerple_log", "alibi")}
     for v in board.versus:
+        assert v.seeds == list(SEEDS)
         for k in range(len(SEEDS)):
             direct = compare(v.protocol, v.length, [v.reference, v.model],
                              [scores[v.reference, k][v.protocol, v.length], scores[v.model, k][v.protocol, v.length]],
@@ -94,7 +95,7 @@ def test_each_seed_is_paired_with_the_same_seed_of_each_reference(board):
 
 def test_verdicts():
     def versus(differences, intervals):
-        return Versus("m", "r", "last-token", 16, differences, intervals).verdict
+        return Versus("m", "r", "last-token", 16, list(range(len(differences))), differences, intervals).verdict
 
     assert versus([1.0, 2.0], [[0.5, 1.5], [1.0, 3.0]]) == RESOLVED
     assert versus([-1.0, -2.0], [[-1.5, -0.5], [-3.0, -1.0]]) == RESOLVED
@@ -125,8 +126,9 @@ def test_tables_and_csv(board):
     assert seeds[0].count("interval") == len(SEEDS) and len(seeds) == 2 + 4
     header, rows = leaderboard.csv_rows(board)
     assert len(rows) == len(PROTOCOLS) * len(LENGTHS) * (len(MODELS) + 4)
-    row = dict(zip(header, next(r for r in rows if r[0] == "rotary_yarn" and r[9] == "rotary" and r[4] == 64
-                                and r[3] == "last-token")))
+    row = next(r for r in (dict(zip(header, r)) for r in rows)
+               if (r["model"], r["reference"], r["length"], r["protocol"]) == ("rotary_yarn", "rotary", 64, "last-token"))
+    assert row["seeds"] == row["compared_seeds"] == "7;8;9"
     v = next(v for v in board.versus if (v.model, v.reference, v.protocol, v.length) == ("rotary_yarn", "rotary", "last-token", 64))
     assert [float(d) for d in row["difference_by_seed"].split(";")] == v.difference
     written = [[float(x) for x in i.split("/")] for i in row["interval_by_seed"].split(";")]
@@ -137,16 +139,14 @@ def test_tables_and_csv(board):
 
 def test_missing_results_are_named_and_a_diverged_model_ranks_last():
     def entrant(name, ppl):
-        return Entrant(name, name, FAMILIES[1], [], [[{"protocol": "last-token", "length": n, "ppl": ppl}
-                                                      for n in (16, 32)]])
+        return Entrant(name, name, FAMILIES[1], [], {1: [{"protocol": "last-token", "length": n, "ppl": ppl}
+                                                         for n in (16, 32)]})
 
-    with pytest.raises(UsageError, match="alibi has 1 evaluated seeds, the board 2"):
-        leaderboard.build([entrant("alibi", 3.0)], [1, 2], 16, lambda name, k: {})
     with pytest.raises(UsageError, match="b lacks last-token at L=16"):
-        leaderboard.build([entrant("a", 3.0), Entrant("b", "b", FAMILIES[1], [], [[]])], [1], 16, lambda name, k: {})
+        leaderboard.build([entrant("a", 3.0), Entrant("b", "b", FAMILIES[1], [], {1: []})], 16, lambda name, seed: {})
     # a training length that was not evaluated: the board starts at the shortest evaluated length
-    board = leaderboard.build([entrant("a", 3.0), entrant("b", float("nan")), entrant("c", 2.0)], [1], 8,
-                              lambda name, k: {})
+    board = leaderboard.build([entrant("a", 3.0), entrant("b", float("nan")), entrant("c", 2.0)], 8,
+                              lambda name, seed: {})
     assert board.train_length == 16 and board.ranks("last-token", 32) == {"c": 1, "a": 2, "b": 3}
     assert math.isnan(board.sd("a", "last-token", 16))  # one seed has no spread
 
@@ -195,3 +195,35 @@ def test_the_data_fingerprint_follows_the_files(tmp_path):
     assert data_bin_fingerprint(tmp_path) == first
     (tmp_path / "valid.bin").write_bytes(b"\x00")
     assert data_bin_fingerprint(tmp_path) != first
+
+
+def test_a_model_with_fewer_seeds_is_compared_on_the_seeds_both_have():
+    scores = synthetic_scores(np.random.default_rng(1))
+    spans = {run: {key: SpanLosses.of(t) for key, t in scored.items()} for run, scored in scores.items()}
+    kept = {"alibi": SEEDS, "rotary": SEEDS[:1], "rotary_yarn": SEEDS[1:]}
+    entrants = [Entrant(name, POSITION_ENCODINGS[name].label, POSITION_ENCODINGS[name].family,
+                        ["alibi", POSITION_ENCODINGS[name].baseline],
+                        {seed: [{"protocol": p, "length": n, "ppl": perplexity(scores[name, SEEDS.index(seed)][p, n])}
+                                for p in PROTOCOLS for n in LENGTHS] for seed in seeds})
+                for name, seeds in kept.items()]
+    board = leaderboard.build(entrants, LENGTHS[0], lambda name, seed: spans[name, SEEDS.index(seed)], samples=400)
+    assert board.seeds == list(SEEDS) and board.seeds_of("rotary_yarn") == list(SEEDS[1:])
+    assert board.mean("rotary_yarn", "last-token", 64) == pytest.approx(
+        statistics.mean(perplexity(scores["rotary_yarn", k]["last-token", 64]) for k in (1, 2)), rel=1e-12)
+    assert math.isnan(board.sd("rotary", "last-token", 64))
+    compared = {(v.model, v.reference): v for v in board.against("rotary_yarn", "early-token-cursed", 64)}
+    compared.update({(v.model, v.reference): v for v in board.against("rotary", "early-token-cursed", 64)})
+    assert compared["rotary_yarn", "alibi"].seeds == list(SEEDS[1:])
+    assert compared["rotary", "alibi"].seeds == list(SEEDS[:1])
+    assert compared["rotary_yarn", "rotary"].seeds == []  # no seed in common: no evidence either way
+    assert compared["rotary_yarn", "rotary"].verdict == NOT_RESOLVED
+    for k in (1, 2):
+        direct = compare("early-token-cursed", 64, ["alibi", "rotary_yarn"],
+                         [scores["alibi", k]["early-token-cursed", 64], scores["rotary_yarn", k]["early-token-cursed", 64]],
+                         samples=400, seed=1)
+        assert compared["rotary_yarn", "alibi"].interval[k - 1] == direct.difference_interval[0]
+    table = leaderboard.markdown(board, "early-token-cursed")
+    assert "resolved (2 seeds)" in table and "rotary: no common seed" in table
+    seeds = leaderboard.seed_markdown(board, "early-token-cursed", 64).splitlines()
+    yarn = next(line for line in seeds if line.startswith("| rotary+YaRN | ALiBi |"))
+    assert yarn.split(" | ")[2] == ""  # seed 7 not trained

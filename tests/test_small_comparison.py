@@ -25,11 +25,13 @@ LENGTHS = (16, 32)
 SCRIPT = REPO / "scripts" / "small_comparison.py"
 
 
-def tiny_comparison(sample_dir, out, *options):
+def tiny_comparison(sample_dir, out, *options, train_length=16, eval_lengths=LENGTHS):
+    """The comparison at a tiny size; without ``eval_lengths``, at its default lengths (1x to 32x)."""
     return [sys.executable, SCRIPT, "--wikitext-dir", sample_dir, "--data-bin", out / "data-bin", "--out", out / "runs",
-            "--vocab-size", "300", "--models", "nope", "alibi", "--seeds", "3", "4", "--train-length", "16",
-            "--eval-lengths", *map(str, LENGTHS), "--num-targets", "8", "--num-segments", "2", "--updates", "3",
-            "--max-tokens", "256", "--layers", "1", "--width", "16", "--heads", "2", *options]
+            "--vocab-size", "300", "--models", "nope", "alibi", "--seeds", "3", "4", "--train-length", str(train_length),
+            *(["--eval-lengths", *map(str, eval_lengths)] if eval_lengths else []), "--num-targets", "8",
+            "--num-segments", "2", "--updates", "3", "--max-tokens", "256", "--layers", "1", "--width", "16",
+            "--heads", "2", *options]
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +102,8 @@ def test_the_leaderboard_is_the_evaluations_over_seeds(comparison):
     assert (runs / "leaderboard.png").stat().st_size > 0
     board = (runs / "leaderboard.md").read_text()
     assert board.startswith("# Leaderboard: 2 position encodings, seeds 3, 4") and "## last-token at L=32, seed by seed" in board
+    assert re.search(r"cost: nope-seed3 took \d+ s to train and \d+ s to evaluate; 1 of 4 runs are finished, the other 3 "
+                     r"need about [\d.]+ h on this machine \(each model costing what nope did\)\n", proc.stdout)
     assert re.search(r"1 of 4 models trained and evaluated; about \d+ min left", proc.stdout)
     assert "4 of 4 models trained and evaluated\n" in proc.stdout
 
@@ -144,6 +148,74 @@ def test_a_killed_comparison_goes_on_where_it_stopped(comparison, sample_dir, tm
     more_updates = run(tiny_comparison(sample_dir, tmp_path, "--analyses", "--updates", "4"))
     assert more_updates.stdout.count("training ") == 4
     assert json.loads((runs / "alibi-seed4" / "trained.json").read_text())["key"]["fairseq-train"][-1] == "4"
+
+
+def csv_rows(path):
+    return list(csv.DictReader(open(path)))
+
+
+def trainings(proc):
+    return re.findall(r"^\[[\d:]+\] (training .*)$", proc.stdout, re.M)
+
+
+@pytest.mark.slow
+def test_a_second_training_length_under_a_budget_resumes_adds_seeds_and_is_seen_with_the_first(
+        comparison, sample_dir, tmp_path):
+    """The comparison at another --train-length, its lengths by default 1x to 32x, with --other-length the
+    first one and a budget too small for every seed: killed after its first run, it goes on where it stopped
+    with every seed of the model kept (ALiBi) and the first of the other; the same command without the budget
+    adds the missing seed alone; both-lengths.* ranks both leaderboards' means and compares each swap."""
+    first, _ = comparison
+    budget = ("--other-length", first, "--budget-hours", "1e-6", "--every-seed-for", "alibi", "--every-seed-top", "0",
+              "--analyses", "extrapolation")
+    cmd = tiny_comparison(sample_dir, tmp_path, *budget, train_length=8, eval_lengths=None)
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 600
+    while not (runs / "nope-seed3" / "evaluated.json").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (runs / "nope-seed3" / "evaluated.json").exists() and not (runs / "leaderboard.md").exists()
+
+    resumed = run(cmd)
+    assert "nope-seed3 is trained so already" in resumed.stdout and len(trainings(resumed)) == 2
+    assert re.search(r"over --budget-hours 1e-06: every seed of alibi \(.*\), seed 3 of the other 1 models: about "
+                     r"[\d.]+ h for the 2 runs left", resumed.stdout)
+    assert sorted(p.name for p in runs.glob("*-seed*")) == ["alibi-seed3", "alibi-seed4", "nope-seed3"]
+    lengths = [8, 16, 32, 64, 128, 256]
+    assert [r["length"] for r in json.loads((runs / "nope-seed3" / "eval.json").read_text())][::2] == lengths
+    board = csv_rows(runs / "leaderboard.csv")
+    assert {(r["model"], r["seeds"]) for r in board} == {("nope", "3"), ("alibi", "3;4")}
+    assert {r["compared_seeds"] for r in board if r["reference"] == "alibi"} == {"3"}
+    assert "Trained with fewer seeds (--budget-hours): NoPE;" in (runs / "leaderboard.md").read_text()
+
+    # both lengths: each board's means at its longest length, ranked; a swap compared at both lengths
+    both = csv_rows(runs / "both-lengths.csv")
+    for directory, train_length, longest in ((first, 16, 32), (runs, 8, 256)):
+        means = {(r["model"], r["protocol"]): float(r["mean"]) for r in csv_rows(directory / "leaderboard.csv")
+                 if int(r["length"]) == longest and not r["reference"]}
+        mine = {(r["model"], r["protocol"]): r for r in both if int(r["train_length"]) == train_length}
+        assert mine.keys() == means.keys()
+        for (model, protocol), r in mine.items():
+            assert float(r["ppl_longest"]) == means[model, protocol] and int(r["longest"]) == longest
+            other = means[{"nope": "alibi", "alibi": "nope"}[model], protocol]
+            assert int(r["rank_longest"]) == 1 + (other < means[model, protocol])
+    swaps = csv_rows(runs / "both-lengths-swaps.csv")
+    for protocol in ("early-token-cursed", "last-token"):
+        ranks = {int(r["train_length"]): r["rank_longest"] for r in both if r["model"] == "nope" and r["protocol"] == protocol}
+        assert (ranks[8] != ranks[16]) == any(s["protocol"] == protocol for s in swaps)
+    for s in swaps:
+        assert s["compared_seeds"] == ("3;4" if s["train_length"] == "16" else "3")
+    assert (runs / "both-lengths.png").stat().st_size > 0
+    assert "# Two training lengths: 2 position encodings" in (runs / "both-lengths.md").read_text()
+
+    more = run(tiny_comparison(sample_dir, tmp_path, "--other-length", first, "--analyses", "extrapolation",
+                               train_length=8, eval_lengths=None))
+    assert trainings(more) == ["training nope (--arch transformer_lm_kerple --bias-kernel none), seed 4, 3 updates"]
+    assert "over --budget-hours" not in more.stdout
+    assert {(r["model"], r["seeds"]) for r in csv_rows(runs / "leaderboard.csv")} == {("nope", "3;4"), ("alibi", "3;4")}
 
 
 KEPT = ("trained.json", "evaluated.json", "eval.json", "span-losses.npz")

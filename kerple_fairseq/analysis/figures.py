@@ -6,7 +6,7 @@ Each function takes the numbers an analysis wrote and saves one PNG. Import
 
 import logging
 import os
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -231,4 +231,35 @@ def leaderboard(curves: List[Tuple[str, str, str, Sequence[int], Sequence[float]
     fig.suptitle(f"{seeds}; dashed grey: the reference in other families' panels; dotted: the training length",
                  fontsize=10)
     fig.tight_layout()
+    _save(fig, path)
+
+
+def ranks_at_two_lengths(lines: Dict[str, List[Tuple[str, str, int, int, bool]]], lengths: Sequence[Tuple[int, int]],
+                         families: Sequence[str], path: str) -> None:
+    """A panel per protocol: each model's rank at the longest length when trained at each of two lengths
+    (``lengths``: each training length and the longest evaluated; ``lines``: label, family, the two ranks, and whether it is in a pair that swaps
+    order with both lengths resolving it, drawn bold), coloured by family; crossing lines are swaps."""
+    plt = pyplot()
+    most = max(len(ls) for ls in lines.values())
+    fig, axes = plt.subplots(1, len(lines), figsize=(6.2 * len(lines), 0.24 * most + 1.6), squeeze=False)
+    colour = {family: plt.cm.tab10(k) for k, family in enumerate(families)}
+    for ax, (protocol, models) in zip(axes[0], lines.items()):
+        for label, family, before, after, reversed_ in models:
+            ax.plot([0, 1], [before, after], color=colour[family], lw=2.4 if reversed_ else 1.0,
+                    alpha=1.0 if reversed_ else 0.55, marker="o", ms=3)
+            ax.text(-0.04, before, f"{label} {before}", ha="right", va="center", fontsize=7, color=colour[family])
+            ax.text(1.04, after, f"{after} {label}", ha="left", va="center", fontsize=7, color=colour[family])
+        ax.set_xlim(-0.9, 1.9)
+        ax.set_ylim(most + 0.7, 0.3)
+        ax.set_xticks([0, 1])
+        ax.set_xticklabels([f"trained at {n}\nrank at {longest}" for n, longest in lengths], fontsize=8)
+        ax.set_yticks([])
+        for side in ("left", "right", "top"):
+            ax.spines[side].set_visible(False)
+        ax.set_title(protocol, fontsize=10)
+    handles = [plt.Line2D([], [], color=colour[f], lw=2, label=f) for f in families]
+    fig.legend(handles=handles, loc="lower center", ncol=len(families), fontsize=8, frameon=False)
+    fig.suptitle("Rank at the longest length, trained at two lengths; bold: in a pair whose order reverses, "
+                 "resolved at both", fontsize=10)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     _save(fig, path)

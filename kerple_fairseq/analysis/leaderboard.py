@@ -1,15 +1,15 @@
 """One table of many models, each trained with several seeds: which extrapolate, in what order, and
 which differences survive a change of seed.
 
-For each model, protocol and evaluated length: the mean perplexity over the seeds and its sample
-standard deviation; the model's rank (1: lowest mean) at the training length (the shortest
+For each model, protocol and evaluated length: the mean perplexity over its seeds and their sample
+standard deviation (a model may have fewer seeds than another); the model's rank (1: lowest mean) at the training length (the shortest
 evaluated length if the training length was not evaluated) and at the longest length; its change
 from the one to the other. Against each of its references (ALiBi, and the
 baseline of its own family: rotary for the rotary family, the underlying kernel for DAPE), seed by
-seed: the difference in perplexity with its paired-bootstrap interval (the k-th seed of the model
-against the k-th seed of the reference, on the same scored tokens; see :mod:`significance`). The
-verdict on a difference is *resolved* when its sign is the same in every seed and every seed's
-interval excludes zero, and *not resolved* otherwise.
+seed: the difference in perplexity with its paired-bootstrap interval (each seed of the model against
+the same seed of the reference, on the same scored tokens, over the seeds both have; see
+:mod:`significance`). The verdict on a difference is *resolved* when its sign is the same in every
+compared seed and every seed's interval excludes zero, and *not resolved* otherwise.
 """
 
 import math
@@ -29,13 +29,13 @@ RESOLVED, NOT_RESOLVED = "resolved", "not resolved"
 @dataclass
 class Entrant:
     """A model on the board: its ``name`` (as the comparison knows it), table ``label``, ``family``,
-    the names it is compared against, and each seed's kerple-eval-lm records, in the board's seed order."""
+    the names it is compared against, and its kerple-eval-lm records by seed."""
 
     name: str
     label: str
     family: str
     references: List[str]
-    records: List[List[dict]]
+    records: Dict[int, List[dict]]
 
 
 @dataclass
@@ -46,8 +46,9 @@ class Versus:
     reference: str
     protocol: str
     length: int
-    difference: List[float]  # model's perplexity - reference's, by seed
-    interval: List[List[float]]  # its paired-bootstrap interval, by seed
+    seeds: List[int]  # those both were trained with
+    difference: List[float]  # model's perplexity - reference's, in the order of seeds
+    interval: List[List[float]]  # its paired-bootstrap interval, in the order of seeds
 
     @property
     def verdict(self) -> str:
@@ -58,7 +59,7 @@ class Versus:
 
 @dataclass
 class Leaderboard:
-    seeds: List[int]
+    seeds: List[int]  # every seed some model was trained with
     train_length: int  # the training length, or the shortest evaluated length if it was not evaluated
     lengths: List[int]
     protocols: List[str]  # those evaluated, in kerple-eval-lm's order
@@ -92,41 +93,52 @@ class Leaderboard:
     def against(self, model: str, protocol: str, length: int) -> List[Versus]:
         return [v for v in self.versus if (v.model, v.protocol, v.length) == (model, protocol, length)]
 
+    def seeds_of(self, model: str) -> List[int]:
+        return sorted(next(e for e in self.entrants if e.name == model).records)
 
-def build(entrants: Sequence[Entrant], seeds: Sequence[int], train_length: int,
-          scores: Callable[[str, int], Dict[Tuple[str, int], SpanLosses]],
+
+Scores = Callable[[str, int], Dict[Tuple[str, int], SpanLosses]]  # (model, seed): span losses by (protocol, length)
+
+
+def paired(model: str, reference: str, protocol: str, length: int, seeds: Sequence[int], scores: Scores,
+           samples: int = 1000, bootstrap_seed: int = 1, confidence: float = 0.95) -> Versus:
+    """``model`` against ``reference`` at ``protocol`` and ``length``, each of ``seeds`` paired with itself."""
+    v = Versus(model, reference, protocol, length, list(seeds), [], [])
+    for k, seed in enumerate(seeds, 1):
+        c = significance.compare_spans(protocol, length, [reference, model],
+                                       [scores(reference, seed)[protocol, length], scores(model, seed)[protocol, length]],
+                                       samples, bootstrap_seed, confidence, replicate=k)
+        v.difference.append(c.difference[0])
+        v.interval.append(c.difference_interval[0])
+    return v
+
+
+def build(entrants: Sequence[Entrant], train_length: int, scores: Scores,
           samples: int = 1000, bootstrap_seed: int = 1, confidence: float = 0.95) -> Leaderboard:
-    """The board of ``entrants``, each trained with every one of ``seeds``; ``scores(name, k)`` gives the
-    span losses of model ``name``'s k-th seed by protocol and length."""
-    names = [e.name for e in entrants]
-    lengths = sorted({r["length"] for e in entrants for records in e.records for r in records})
-    protocols = [p for p in PROTOCOLS if any(r["protocol"] == p for e in entrants for records in e.records for r in records)]
+    """The board of ``entrants``; ``scores(name, seed)`` gives the span losses of model ``name`` trained
+    with ``seed`` by protocol and length."""
+    by_name = {e.name: e for e in entrants}
+    every = [records for e in entrants for records in e.records.values()]
+    lengths = sorted({r["length"] for records in every for r in records})
+    protocols = [p for p in PROTOCOLS if any(r["protocol"] == p for records in every for r in records)]
     if not lengths:
         raise UsageError("the leaderboard needs evaluated lengths")
     short = train_length if train_length in lengths else lengths[0]
-    board = Leaderboard(list(seeds), short, lengths, protocols, list(entrants), confidence)
+    seeds = sorted({seed for e in entrants for seed in e.records})
+    board = Leaderboard(seeds, short, lengths, protocols, list(entrants), confidence)
     for e in entrants:
-        if len(e.records) != len(seeds):
-            raise UsageError(f"{e.name} has {len(e.records)} evaluated seeds, the board {len(seeds)}")
         for protocol in protocols:
             for n in lengths:
-                ppl = [next((r["ppl"] for r in records if (r["protocol"], r["length"]) == (protocol, n)), None)
-                       for records in e.records]
+                ppl = [next((r["ppl"] for r in e.records[seed] if (r["protocol"], r["length"]) == (protocol, n)), None)
+                       for seed in sorted(e.records)]
                 if None in ppl:
                     raise UsageError(f"{e.name} lacks {protocol} at L={n} in some seed")
                 board.ppl[e.name, protocol, n] = ppl
     for e in entrants:
-        references = [r for r in e.references if r in names and r != e.name]
-        versus = {(r, p, n): Versus(e.name, r, p, n, [], []) for r in references for p in protocols for n in lengths}
-        for k in range(len(seeds)):
-            mine = scores(e.name, k)
-            for (reference, protocol, n), v in versus.items():
-                c = significance.compare_spans(protocol, n, [reference, e.name],
-                                               [scores(reference, k)[protocol, n], mine[protocol, n]],
-                                               samples, bootstrap_seed, confidence, replicate=k + 1)
-                v.difference.append(c.difference[0])
-                v.interval.append(c.difference_interval[0])
-        board.versus.extend(versus.values())
+        for reference in dict.fromkeys(r for r in e.references if r in by_name and r != e.name):
+            common = sorted(set(e.records) & set(by_name[reference].records))
+            board.versus.extend(paired(e.name, reference, p, n, common, scores, samples, bootstrap_seed, confidence)
+                                for p in protocols for n in lengths)
     return board
 
 
@@ -135,8 +147,9 @@ def _mean_sd(board: Leaderboard, model: str, protocol: str, length: int) -> str:
     return f"{board.mean(model, protocol, length):.2f}" + ("" if np.isnan(sd) else f" ± {sd:.2f}")
 
 
-def _versus_cell(v: Versus) -> str:
-    return f"{np.mean(v.difference):+.2f}, {v.verdict}"
+def _versus_cell(board: Leaderboard, v: Versus) -> str:
+    fewer = f" ({len(v.seeds)} seed{'s' * (len(v.seeds) != 1)})" if len(v.seeds) < len(board.seeds) else ""
+    return f"{np.mean(v.difference):+.2f}, {v.verdict}{fewer}" if v.seeds else "no common seed"
 
 
 def markdown(board: Leaderboard, protocol: str) -> str:
@@ -155,8 +168,8 @@ def markdown(board: Leaderboard, protocol: str) -> str:
         lines.append(" | ".join([
             f"| {at_long[e.name]}", str(at_short[e.name]), e.label, _mean_sd(board, e.name, protocol, short),
             _mean_sd(board, e.name, protocol, long_), f"{100 * board.change(e.name, protocol):+.1f}%",
-            _versus_cell(cells["alibi"]) if "alibi" in cells else "",
-            f"{labels[baseline]}: {_versus_cell(cells[baseline])}" if baseline else ""]) + " |")
+            _versus_cell(board, cells["alibi"]) if "alibi" in cells else "",
+            f"{labels[baseline]}: {_versus_cell(board, cells[baseline])}" if baseline else ""]) + " |")
     return "\n".join(lines)
 
 
@@ -168,7 +181,9 @@ def seed_markdown(board: Leaderboard, protocol: str, length: int) -> str:
              + " | verdict |", "|---|---|" + "---|" * len(board.seeds) + "---|"]
     for v in board.versus:
         if (v.protocol, v.length) == (protocol, length):
-            seeds = [f"{d:+.2f} [{low:+.2f}, {high:+.2f}]" for d, (low, high) in zip(v.difference, v.interval)]
+            cells = {seed: f"{d:+.2f} [{low:+.2f}, {high:+.2f}]"
+                     for seed, d, (low, high) in zip(v.seeds, v.difference, v.interval)}
+            seeds = [cells.get(seed, "") for seed in board.seeds]
             lines.append(f"| {labels[v.model]} | {labels[v.reference]} | " + " | ".join(seeds) + f" | {v.verdict} |")
     return "\n".join(lines)
 
@@ -185,21 +200,21 @@ def lengths_markdown(board: Leaderboard) -> str:
 
 
 def csv_rows(board: Leaderboard) -> Tuple[List[str], List[list]]:
-    """A row per model, protocol and length: mean, sd, each seed's perplexity, ranks there, and for each
-    reference the seeds' differences, intervals and verdict (``;``-separated by seed). The intervals, bootstrap
+    """A row per model, protocol and length: mean, sd, its seeds and each one's perplexity, ranks there, and
+    for each reference the seeds compared, their differences, intervals and verdict (``;``-separated by seed). The intervals, bootstrap
     percentiles whose last digits differ from one NumPy to another, are written to 10 significant digits."""
-    header = ["model", "label", "family", "protocol", "length", "mean", "sd", "ppl_by_seed", "rank", "reference",
-              "difference_by_seed", "interval_by_seed", "verdict"]
+    header = ["model", "label", "family", "protocol", "length", "mean", "sd", "seeds", "ppl_by_seed", "rank",
+              "reference", "compared_seeds", "difference_by_seed", "interval_by_seed", "verdict"]
     rows = []
     for protocol in board.protocols:
         for n in board.lengths:
             ranks = board.ranks(protocol, n)
             for e in board.entrants:
                 common = [e.name, e.label, e.family, protocol, n, repr(board.mean(e.name, protocol, n)),
-                          repr(board.sd(e.name, protocol, n)), ";".join(map(repr, board.ppl[e.name, protocol, n])),
-                          ranks[e.name]]
-                rows.append(common + ["", "", "", ""])
+                          repr(board.sd(e.name, protocol, n)), ";".join(map(str, sorted(e.records))),
+                          ";".join(map(repr, board.ppl[e.name, protocol, n])), ranks[e.name]]
+                rows.append(common + ["", "", "", "", ""])
                 for v in board.against(e.name, protocol, n):
-                    rows.append(common + [v.reference, ";".join(map(repr, v.difference)),
+                    rows.append(common + [v.reference, ";".join(map(str, v.seeds)), ";".join(map(repr, v.difference)),
                                           ";".join(f"{low:.10g}/{high:.10g}" for low, high in v.interval), v.verdict])
     return header, rows

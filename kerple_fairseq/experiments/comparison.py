@@ -119,12 +119,17 @@ class Comparison:
         step.complete(seconds)
         return json.loads(results.read_text()), seconds
 
-    def train_and_evaluate(self, models: Sequence[Model]) -> Dict[Hashable, Evaluated]:
+    def train_and_evaluate(self, models: Sequence[Model],
+                           plan: Callable[[List[Model]], List[Model]] = list) -> Dict[Hashable, Evaluated]:
         """Each model in turn trained, then evaluated (each step skipped where it finished before, both
-        where the run is kept without its checkpoint); by its key. After each, how many are done and an
-        estimate of the time left: the mean time of the models that needed work so far, times the models left."""
+        where the run is kept without its checkpoint); by its key. Once the first is done, ``plan(models)``
+        gives those to make, the first still first (what its cost leaves of them). After each, how many
+        are done and an estimate of the time left: the mean time of the models that needed work so far,
+        times the models left."""
         evaluated, worked, spent = {}, 0, 0.0
-        for done, model in enumerate(models, 1):
+        models, done = list(models), 0
+        while done < len(models):
+            model = models[done]
             records = self.kept_evaluation(model)
             if records is not None:
                 checkpoint, training, evaluation = model.training.outputs[0], 0.0, 0.0
@@ -132,6 +137,9 @@ class Comparison:
                 checkpoint, training = model.train()
                 records, evaluation = self.evaluate(model, checkpoint)
             evaluated[model.key] = Evaluated(checkpoint, records)
+            done += 1
+            if done == 1:
+                models = plan(models)
             if training + evaluation > 0:
                 worked, spent = worked + 1, spent + training + evaluation
             left = len(models) - done

@@ -18,7 +18,7 @@ from functools import lru_cache, partial
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from kerple_fairseq.analysis import figures, leaderboard
+from kerple_fairseq.analysis import figures, leaderboard, two_lengths
 from kerple_fairseq.analysis.output_files import write_csv, write_text
 from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation import per_token, span_losses
@@ -30,6 +30,8 @@ from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.experiments.paths import BIN, SCRIPTS, USER_DIR
 from kerple_fairseq.experiments.position_encodings import FAMILIES, POSITION_ENCODINGS
 from kerple_fairseq.experiments.recipe import cpu_training_flags
+from kerple_fairseq.experiments.run_cost import best_at_longest, estimate, model_costs, recorded_seconds, run_dirs, \
+    seeds_within
 from kerple_fairseq.experiments.wikitext103 import OFFICIAL_MD5, archive_tokens, preprocess, sample
 
 DEFAULT_MODELS = ["sinusoidal", "alibi", "kerple_log"]  # names in POSITION_ENCODINGS
@@ -161,8 +163,11 @@ def analyse(args: argparse.Namespace, data_bin: Path, checkpoints: Dict[Run, Pat
     model's seeds under its name), then the five model analyses of each model's first seed."""
     out = args.out / "analysis"
     label = {name: POSITION_ENCODINGS[name].label for name, _ in checkpoints}  # as in the tables
+    # the seeds every model has (all of them, unless --budget-hours left some models fewer)
+    common = set.intersection(*({seed for n, seed in checkpoints if n == name} for name, _ in checkpoints))
+    checkpoints = {(name, seed): c for (name, seed), c in checkpoints.items() if seed in common}
     every_run = ["--labels", *(label[name] for name, _ in checkpoints), "--out", out]
-    first = {name: c for (name, seed), c in checkpoints.items() if seed == args.seeds[0]}
+    first = {name: c for (name, seed), c in checkpoints.items() if seed == min(common)}
     paths = ["--path", *first.values(), "--labels", *(label[name] for name in first), "--out", out]
     on_data = [data_bin, "--length", max(args.eval_lengths), "--cpu", "--no-progress-bar", "--max-tokens", "16384"]
     analyses = [
@@ -199,23 +204,37 @@ def duration(seconds: float) -> str:
     return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min"
 
 
-def write_leaderboard(args: argparse.Namespace, evaluated: Dict[Run, Evaluated]) -> str:
-    """The leaderboard of every model over ``args.seeds`` in ``<out>/leaderboard.{md,csv,png}``; its markdown."""
+def board_of(runs: Dict[Run, Path], records: Dict[Run, List[dict]],
+             train_length: int) -> Tuple[leaderboard.Leaderboard, leaderboard.Scores]:
+    """The leaderboard of a comparison's evaluated ``runs`` (their directories, each with its span losses),
+    from their kerple-eval-lm ``records``, each model against ALiBi and its family's baseline; and the
+    runs' span losses by model and seed."""
+    by_model: Dict[str, Dict[int, List[dict]]] = {}
+    for (name, seed), r in records.items():
+        by_model.setdefault(name, {})[seed] = r
     entrants = [leaderboard.Entrant(name, POSITION_ENCODINGS[name].label, POSITION_ENCODINGS[name].family,
-                                    ["alibi", POSITION_ENCODINGS[name].baseline],
-                                    [evaluated[name, seed].records for seed in args.seeds])
-                for name in args.models]
+                                    ["alibi", POSITION_ENCODINGS[name].baseline], by_seed)
+                for name, by_seed in by_model.items()]
 
     @lru_cache(maxsize=None)  # the references' files are read again for every model
-    def scores(name: str, k: int):
-        return span_losses.load(str(run_dir(args, name, args.seeds[k]) / SPAN_LOSSES))
+    def scores(name: str, seed: int):
+        return span_losses.load(str(runs[name, seed] / SPAN_LOSSES))
 
-    board = leaderboard.build(entrants, args.seeds, args.train_length, scores)
-    seconds = sum(json.loads((run_dir(args, name, seed) / record).read_text())["seconds"]
-                  for name in args.models for seed in args.seeds for record in ("trained.json", "evaluated.json"))
+    return leaderboard.build(entrants, train_length, scores), scores
+
+
+def write_leaderboard(args: argparse.Namespace,
+                      evaluated: Dict[Run, Evaluated]) -> Tuple[leaderboard.Leaderboard, leaderboard.Scores, str]:
+    """The leaderboard of the ``evaluated`` runs in ``<out>/leaderboard.{md,csv,png}``: the board, the
+    runs' span losses and its markdown."""
+    board, scores = board_of({run: run_dir(args, *run) for run in evaluated}, {run: e.records for run, e in evaluated.items()},
+                     args.train_length)
+    entrants = board.entrants
+    seconds = sum(sum(recorded_seconds(run_dir(args, *run))) for run in evaluated)
     short, long_ = board.train_length, board.longest
-    text = [f"# Leaderboard: {len(args.models)} position encodings, seed{'s' * (len(args.seeds) > 1)} "
-            f"{', '.join(map(str, args.seeds))}",
+    fewer = [e.label for e in entrants if len(e.records) < len(board.seeds)]
+    text = [f"# Leaderboard: {len(entrants)} position encodings, seed{'s' * (len(board.seeds) > 1)} "
+            f"{', '.join(map(str, board.seeds))}",
             "",
             f"Validation perplexity, mean ± sample standard deviation over the seeds, trained at L={short} "
             f"for {args.updates} updates of {args.max_tokens} tokens; {args.layers} layers, width {args.width}, "
@@ -223,7 +242,9 @@ def write_leaderboard(args: argparse.Namespace, evaluated: Dict[Run, Evaluated])
             f"A difference (model − reference, seed by seed, each with its paired-bootstrap "
             f"{100 * board.confidence:g}% interval) is resolved when every seed has the same sign and an interval "
             f"excluding zero. Training and evaluation took {duration(seconds)} in all on this machine "
-            "(the sum of the recorded steps)."]
+            "(the sum of the recorded steps)."
+            + (f" Trained with fewer seeds (--budget-hours): {', '.join(fewer)}; each is compared over the seeds "
+               "it shares with its reference." if fewer else "")]
     for protocol in board.protocols:
         text += ["", f"## {protocol}", "", leaderboard.markdown(board, protocol)]
     for protocol in board.protocols:
@@ -244,6 +265,84 @@ def write_leaderboard(args: argparse.Namespace, evaluated: Dict[Run, Evaluated])
                             str(args.out / "leaderboard.png"))
     except figures.PlotsUnavailable as e:
         stage(str(e))
+    return board, scores, markdown
+
+
+def hours(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h"
+
+
+def planned_runs(args: argparse.Namespace, runs: List[Run]) -> List[Run]:
+    """The ``runs`` to make, in order, once the first is made: their cost estimated from it (and from the
+    models' relative costs in ``--other-length``'s records) and said; over ``--budget-hours``, the seeds
+    that fit (:func:`~kerple_fairseq.experiments.run_cost.seeds_within`), said too."""
+    first = runs[0]
+    measured = recorded_seconds(run_dir(args, *first))
+    finished = [r for r in runs if recorded_seconds(run_dir(args, *r)) is not None]
+    relative = model_costs(args.other_length) if args.other_length else {}
+    cost = estimate(runs, first, measured, relative)
+    left = sum(cost[r] for r in runs if r not in finished)
+    basis = (f"each model's cost relative to {first[0]}'s in {args.other_length}" if first[0] in relative
+             else f"each model costing what {first[0]} did")
+    stage(f"cost: {run_label(args, *first)} took {measured[0]:.0f} s to train and {measured[1]:.0f} s to evaluate; "
+          f"{len(finished)} of {len(runs)} runs are finished, the other {len(runs) - len(finished)} need about "
+          f"{hours(left)} on this machine ({basis})")
+    ranked = [name for name in best_at_longest(args.other_length) if name in args.models] if args.other_length else []
+    in_question = {*args.every_seed_for, *ranked[:args.every_seed_top]}
+    in_question |= {r for name in in_question for r in ("alibi", POSITION_ENCODINGS[name].baseline) if r in args.models}
+    budget = None if args.budget_hours is None else args.budget_hours * 3600
+    seeds = seeds_within(budget, args.models, args.seeds, in_question, cost, finished)
+    chosen = [r for r in runs if r[1] in seeds[r[0]]]
+    if len(chosen) < len(runs):
+        fewer = [name for name in args.models if len(seeds[name]) < len(args.seeds)]
+        stage(f"over --budget-hours {args.budget_hours:g}: every seed of {', '.join(sorted(in_question))} (the top "
+              f"{args.every_seed_top} of {args.other_length or 'no other comparison'}, --every-seed-for, and what they "
+              f"are compared with), seed {args.seeds[0]} of the other {len(fewer)} models: about "
+              f"{hours(sum(cost[r] for r in chosen if r not in finished))} for the {len(chosen) - len(finished)} runs "
+              "left; the same command with a larger --budget-hours, or none, adds the other seeds")
+    return chosen
+
+
+def write_both_lengths(args: argparse.Namespace, board: leaderboard.Leaderboard, scores: leaderboard.Scores) -> str:
+    """This comparison and ``--other-length``'s seen together (:mod:`~kerple_fairseq.analysis.two_lengths`)
+    over the models both hold, in ``<out>/both-lengths.{md,csv,png}`` and ``both-lengths-swaps.csv``; its markdown."""
+    other_runs = {run: path for run, path in run_dirs(args.other_length).items()
+                  if run[0] in args.models and (path / SPAN_LOSSES).is_file() and (path / "eval.json").is_file()}
+    records = {run: json.loads((path / "eval.json").read_text()) for run, path in other_runs.items()}
+    lengths = {r.get("train_length") for rs in records.values() for r in rs}
+    if len(lengths) != 1 or None in lengths or args.train_length in lengths:
+        raise UsageError(f"--other-length {args.other_length} must hold evaluated runs of these models trained at "
+                         f"one length other than {args.train_length}; it holds "
+                         + (f"training lengths {sorted(map(str, lengths))}" if records else "none"))
+    other, other_scores = board_of(other_runs, records, lengths.pop())
+    view = two_lengths.build(other, board, other_scores, scores)
+    where = {other.train_length: args.other_length, board.train_length: args.out}
+    text = [f"# Two training lengths: {len(view.models)} position encodings",
+            "",
+            "Validation perplexity of the same models trained alike but for the training length: "
+            + "; ".join(f"L_train={b.train_length} in {where[b.train_length]}, seed{'s' * (len(b.seeds) > 1)} "
+                        f"{', '.join(map(str, b.seeds))}" for b in view.boards)
+            + ". Ranks are among these models, by the mean over each model's seeds at the longest length evaluated "
+            "after each training; the change is from the training length to there. "
+            "A pair swaps when its order at the longest length differs between the training lengths; each "
+            "length's paired-bootstrap comparison of the pair (the model behind at the shorter length minus the one "
+            "ahead, seed by seed over the seeds both have) resolves its order there or not."]
+    for protocol in view.protocols:
+        found = two_lengths.counts(view, protocol)
+        text += ["", f"## {protocol}", "",
+                 f"Pairs that swap: {sum(found.values())}" + ("".join(f"; {finding}: {n}" for finding, n in sorted(
+                     found.items()))) + ".", "", two_lengths.markdown(view, protocol)]
+    markdown = "\n".join(text) + "\n"
+    write_text(str(args.out / "both-lengths.md"), markdown)
+    write_csv(str(args.out / "both-lengths.csv"), *two_lengths.csv_rows(view))
+    write_csv(str(args.out / "both-lengths-swaps.csv"), *two_lengths.swap_csv_rows(view))
+    (args.out / "both-lengths.png").unlink(missing_ok=True)
+    try:
+        figures.ranks_at_two_lengths({p: two_lengths.figure_lines(view, p) for p in view.protocols},
+                                     [(b.train_length, b.longest) for b in view.boards], FAMILIES,
+                                     str(args.out / "both-lengths.png"))
+    except figures.PlotsUnavailable as e:
+        stage(str(e))
     return markdown
 
 
@@ -261,12 +360,13 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
         log=stage, kept=(SPAN_LOSSES,), keep=keep_span_losses)
     steps = {(name, seed): training(args, comparison.data_fingerprint, name, seed)
              for seed in args.seeds for name in args.models}  # every model's first seed before any second
-    evaluated = comparison.train_and_evaluate([
-        Model((name, seed), partial(train, args, data_bin, step, name, seed),
-              eval_flags=[*POSITION_ENCODINGS[name].eval_flags,
-                          "--position-wise", run_dir(args, name, seed) / "position-wise.csv",
-                          "--per-token", run_dir(args, name, seed) / "per-token.npz"], training=step)
-        for (name, seed), step in steps.items()])
+    models = {(name, seed): Model((name, seed), partial(train, args, data_bin, step, name, seed),
+                                  eval_flags=[*POSITION_ENCODINGS[name].eval_flags,
+                                              "--position-wise", run_dir(args, name, seed) / "position-wise.csv",
+                                              "--per-token", run_dir(args, name, seed) / "per-token.npz"], training=step)
+              for (name, seed), step in steps.items()}
+    evaluated = comparison.train_and_evaluate(
+        models.values(), plan=lambda every: [models[run] for run in planned_runs(args, [m.key for m in every])])
     results = {run_label(args, *key): e.records for key, e in evaluated.items()}
     text = (f"Validation perplexity (early-token-cursed: every token, non-overlapping blocks; last-token: "
             f"the same {args.num_targets} targets after L-1 tokens), trained at L={args.train_length} "
@@ -279,7 +379,11 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     print("\n" + text + "\n")
     stage(f"the leaderboard: {args.out / 'leaderboard.md'} (.csv, .png)")
-    print(write_leaderboard(args, evaluated))
+    board, scores, markdown = write_leaderboard(args, evaluated)
+    print(markdown)
+    if args.other_length:
+        stage(f"both training lengths: {args.out / 'both-lengths.md'} (.csv, -swaps.csv, .png)")
+        print(write_both_lengths(args, board, scores))
     figures_dir = analyse(args, data_bin, {key: e.checkpoint for key, e in evaluated.items()})
     if args.analyses:
         stage(f"figures and their numbers in {figures_dir}: {', '.join(args.analyses)} (.png with the plots extra, "

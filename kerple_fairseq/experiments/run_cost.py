@@ -1,0 +1,90 @@
+"""What a comparison's runs will cost before they run, and which seeds fit a budget of hours.
+
+The estimate starts from one run measured on this machine at this comparison's settings (its first
+model's first seed) and scales it, training and evaluation apart, by each model's cost relative to
+that model in another comparison's records (the same models at another training length, where there
+is one; otherwise every model costs what the measured one did). A model evaluated on another's
+checkpoint (a rotary scaling) costs no training wherever it cost none there.
+
+Over a budget, the seeds go first to the models whose order is in question and to the references
+they are compared against; the others keep their first seed. Runs already finished always count, so
+that the same command with a larger budget (or none) adds seeds and drops nothing.
+"""
+
+import json
+import statistics
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+RECORDS = ("trained.json", "evaluated.json")
+
+Run = Tuple[str, int]  # a model's name and its seed
+Seconds = Tuple[float, float]  # training, evaluation
+
+
+def recorded_seconds(run_dir: Path) -> Optional[Seconds]:
+    """The seconds a finished run's training and evaluation took by its records, or None."""
+    try:
+        training, evaluation = (float(json.loads((run_dir / record).read_text())["seconds"]) for record in RECORDS)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return training, evaluation
+
+
+def run_dirs(comparison: Path) -> Dict[Run, Path]:
+    """A comparison's run directories, ``<model>-seed<S>``, by model and seed."""
+    runs = {}
+    for path in comparison.glob("*-seed*"):
+        name, _, seed = path.name.rpartition("-seed")
+        if path.is_dir() and seed.isdigit():
+            runs[name, int(seed)] = path
+    return runs
+
+
+def model_costs(comparison: Path) -> Dict[str, Seconds]:
+    """Each model's mean seconds of training and of evaluation over its finished runs in ``comparison``."""
+    by_model: Dict[str, List[Seconds]] = {}
+    for (name, _), path in run_dirs(comparison).items():
+        seconds = recorded_seconds(path)
+        if seconds is not None:
+            by_model.setdefault(name, []).append(seconds)
+    return {name: (statistics.mean(t for t, _ in s), statistics.mean(e for _, e in s)) for name, s in by_model.items()}
+
+
+def estimate(runs: Sequence[Run], measured: Run, seconds: Seconds, relative: Dict[str, Seconds]) -> Dict[Run, float]:
+    """Each of ``runs`` in seconds: the ``measured`` run's training and evaluation ``seconds``, each times
+    the model's cost over the measured model's in ``relative`` (a factor of one where either lacks it)."""
+    base = relative.get(measured[0])
+
+    def factor(name: str, part: int) -> float:
+        if base is None or name not in relative or base[part] <= 0:
+            return 1.0
+        return relative[name][part] / base[part]
+
+    return {run: seconds[0] * factor(run[0], 0) + seconds[1] * factor(run[0], 1) for run in runs}
+
+
+def best_at_longest(comparison: Path, protocol: str = "early-token-cursed") -> List[str]:
+    """The models of a finished comparison, best first: lowest mean perplexity over their seeds at the
+    longest length each was evaluated at under ``protocol``."""
+    ppl: Dict[str, List[float]] = {}
+    for (name, _), path in run_dirs(comparison).items():
+        try:
+            records = [r for r in json.loads((path / "eval.json").read_text()) if r["protocol"] == protocol]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if records:
+            ppl.setdefault(name, []).append(max(records, key=lambda r: r["length"])["ppl"])
+    return sorted(ppl, key=lambda name: statistics.mean(ppl[name]))
+
+
+def seeds_within(budget_seconds: Optional[float], models: Sequence[str], seeds: Sequence[int],
+                 in_question: Sequence[str], cost: Dict[Run, float], finished: Sequence[Run]) -> Dict[str, List[int]]:
+    """The seeds each model runs with: all of ``seeds`` where the unfinished runs' ``cost`` stays within
+    ``budget_seconds`` (or there is no budget); otherwise every seed of the models ``in_question``, the
+    first of the others, and every run already ``finished``."""
+    every = {name: list(seeds) for name in models}
+    left = sum(cost[name, seed] for name in models for seed in seeds if (name, seed) not in finished)
+    if budget_seconds is None or left <= budget_seconds:
+        return every
+    return {name: [s for s in seeds if name in in_question or s == seeds[0] or (name, s) in finished] for name in models}
