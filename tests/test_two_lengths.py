@@ -127,11 +127,13 @@ def test_the_estimate_scales_the_measured_run_by_each_model_s_relative_cost(tmp_
     (other / "fire-seed1").mkdir(parents=True)  # unfinished: no records
     assert run_cost.model_costs(other) == {"alibi": (200.0, 60.0), "path": (400.0, 600.0), "rotary_ntk": (0.0, 30.0)}
     assert run_cost.recorded_seconds(other / "fire-seed1") is None
-    cost = run_cost.estimate([("alibi", 2), ("path", 1), ("rotary_ntk", 1), ("fire", 1)], ("alibi", 1), (110.0, 240.0),
+    here = {"alibi": (110.0, 240.0), "nope": (90.0, 2000.0)}
+    cost = run_cost.estimate([("alibi", 2), ("path", 1), ("rotary_ntk", 1), ("fire", 1), ("nope", 1)], "alibi", here,
                              run_cost.model_costs(other))
     assert cost == {("alibi", 2): 350.0, ("path", 1): 110 * 2 + 240 * 10, ("rotary_ntk", 1): 240 * 0.5,
-                    ("fire", 1): 350.0}  # a model the other comparison lacks costs what the measured one did
-    assert run_cost.estimate([("path", 1)], ("fire", 1), (1.0, 2.0), run_cost.model_costs(other)) == {("path", 1): 3.0}
+                    ("fire", 1): 350.0,  # a model the other comparison lacks costs what the measured one did
+                    ("nope", 1): 2090.0}  # one run here already: its own cost
+    assert run_cost.estimate([("path", 1)], "fire", {"fire": (1.0, 2.0)}, run_cost.model_costs(other)) == {("path", 1): 3.0}
     assert run_cost.best_at_longest(other) == ["path", "alibi", "rotary_ntk"]
 
 

@@ -4,7 +4,9 @@ The estimate starts from one run measured on this machine at this comparison's s
 model's first seed) and scales it, training and evaluation apart, by each model's cost relative to
 that model in another comparison's records (the same models at another training length, where there
 is one; otherwise every model costs what the measured one did). A model evaluated on another's
-checkpoint (a rotary scaling) costs no training wherever it cost none there.
+checkpoint (a rotary scaling) costs no training wherever it cost none there. A model already run at
+these settings costs what its runs took: a cost that grows faster with the length than the measured
+model's (FIRE's and DAPE's functions of every query-key pair, PaTH's) is then its own.
 
 Over a budget, the seeds go first to the models whose order is in question and to the references
 they are compared against; the others keep their first seed. Runs already finished always count, so
@@ -51,17 +53,19 @@ def model_costs(comparison: Path) -> Dict[str, Seconds]:
     return {name: (statistics.mean(t for t, _ in s), statistics.mean(e for _, e in s)) for name, s in by_model.items()}
 
 
-def estimate(runs: Sequence[Run], measured: Run, seconds: Seconds, relative: Dict[str, Seconds]) -> Dict[Run, float]:
-    """Each of ``runs`` in seconds: the ``measured`` run's training and evaluation ``seconds``, each times
-    the model's cost over the measured model's in ``relative`` (a factor of one where either lacks it)."""
-    base = relative.get(measured[0])
+def estimate(runs: Sequence[Run], measured: str, here: Dict[str, Seconds], relative: Dict[str, Seconds]) -> Dict[Run, float]:
+    """Each of ``runs`` in seconds: its model's mean training and evaluation seconds ``here`` where it has
+    them; otherwise the ``measured`` model's here, each times the model's cost over the measured model's in
+    ``relative`` (a factor of one where either lacks it)."""
+    base, seconds = relative.get(measured), here[measured]
 
     def factor(name: str, part: int) -> float:
         if base is None or name not in relative or base[part] <= 0:
             return 1.0
         return relative[name][part] / base[part]
 
-    return {run: seconds[0] * factor(run[0], 0) + seconds[1] * factor(run[0], 1) for run in runs}
+    return {run: sum(here[run[0]]) if run[0] in here else seconds[0] * factor(run[0], 0) + seconds[1] * factor(run[0], 1)
+            for run in runs}
 
 
 def best_at_longest(comparison: Path, protocol: str = "early-token-cursed") -> List[str]:

@@ -280,13 +280,14 @@ def planned_runs(args: argparse.Namespace, runs: List[Run]) -> List[Run]:
     measured = recorded_seconds(run_dir(args, *first))
     finished = [r for r in runs if recorded_seconds(run_dir(args, *r)) is not None]
     relative = model_costs(args.other_length) if args.other_length else {}
-    cost = estimate(runs, first, measured, relative)
+    here = {name: seconds for name, seconds in model_costs(args.out).items() if name in args.models}
+    cost = estimate(runs, first[0], here, relative)
     left = sum(cost[r] for r in runs if r not in finished)
     basis = (f"each model's cost relative to {first[0]}'s in {args.other_length}" if first[0] in relative
              else f"each model costing what {first[0]} did")
     stage(f"cost: {run_label(args, *first)} took {measured[0]:.0f} s to train and {measured[1]:.0f} s to evaluate; "
           f"{len(finished)} of {len(runs)} runs are finished, the other {len(runs) - len(finished)} need about "
-          f"{hours(left)} on this machine ({basis})")
+          f"{hours(left)} on this machine ({basis}, or the model's own runs here where it has some)")
     ranked = [name for name in best_at_longest(args.other_length) if name in args.models] if args.other_length else []
     in_question = {*args.every_seed_for, *ranked[:args.every_seed_top]}
     in_question |= {r for name in in_question for r in ("alibi", POSITION_ENCODINGS[name].baseline) if r in args.models}
