@@ -284,3 +284,19 @@ def test_models_all_stands_alone(sample_dir, tmp_path):
                check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "small_comparison: error: --models all stands alone: it names every model"
+
+
+@pytest.mark.slow
+def test_a_wrong_other_length_or_budget_is_refused_before_any_run(comparison, sample_dir, tmp_path):
+    first, _ = comparison
+    cases = [(("--other-length", first), f"--other-length {first} must hold evaluated runs of these models trained at "
+                                         "one length other than 16; it holds training lengths 16"),
+             (("--other-length", tmp_path), f"--other-length {tmp_path} must hold evaluated runs of these models trained "
+                                            "at one length other than 16; it holds no evaluated run of them"),
+             (("--other-length", tmp_path / "absent"), f"--other-length {tmp_path / 'absent'} is not a directory: give "
+                                                       "the --out of a comparison at another training length"),
+             (("--budget-hours", "0"), "--budget-hours must be positive")]
+    for options, message in cases:
+        proc = run(tiny_comparison(sample_dir, tmp_path, *options), check=False)
+        assert proc.returncode == 2 and proc.stderr.strip() == f"small_comparison: error: {message}"
+        assert not (tmp_path / "runs").exists()

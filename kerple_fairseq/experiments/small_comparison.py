@@ -304,18 +304,29 @@ def planned_runs(args: argparse.Namespace, runs: List[Run]) -> List[Run]:
     return chosen
 
 
+def other_length(args: argparse.Namespace) -> Tuple[Dict[Run, Path], Dict[Run, List[dict]], int]:
+    """``--other-length``'s evaluated runs of these models (their directories and kerple-eval-lm records)
+    and the length they were trained at; a :class:`UsageError` where it holds none, or several lengths, or
+    this comparison's."""
+    runs = {run: path for run, path in run_dirs(args.other_length).items()
+            if run[0] in args.models and (path / SPAN_LOSSES).is_file() and (path / "eval.json").is_file()}
+    try:
+        records = {run: json.loads((path / "eval.json").read_text()) for run, path in runs.items()}
+        lengths = {r.get("train_length") for rs in records.values() for r in rs}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise UsageError(f"--other-length {args.other_length} holds an unreadable eval.json ({e}): give the --out of a "
+                         "comparison at another training length") from None
+    if len(lengths) != 1 or None in lengths or args.train_length in lengths:
+        held = f"training lengths {', '.join(sorted(map(str, lengths)))}" if records else "no evaluated run of them"
+        raise UsageError(f"--other-length {args.other_length} must hold evaluated runs of these models trained at one "
+                         f"length other than {args.train_length}; it holds {held}")
+    return runs, records, lengths.pop()
+
+
 def write_both_lengths(args: argparse.Namespace, board: leaderboard.Leaderboard, scores: leaderboard.Scores) -> str:
     """This comparison and ``--other-length``'s seen together (:mod:`~kerple_fairseq.analysis.two_lengths`)
     over the models both hold, in ``<out>/both-lengths.{md,csv,png}`` and ``both-lengths-swaps.csv``; its markdown."""
-    other_runs = {run: path for run, path in run_dirs(args.other_length).items()
-                  if run[0] in args.models and (path / SPAN_LOSSES).is_file() and (path / "eval.json").is_file()}
-    records = {run: json.loads((path / "eval.json").read_text()) for run, path in other_runs.items()}
-    lengths = {r.get("train_length") for rs in records.values() for r in rs}
-    if len(lengths) != 1 or None in lengths or args.train_length in lengths:
-        raise UsageError(f"--other-length {args.other_length} must hold evaluated runs of these models trained at "
-                         f"one length other than {args.train_length}; it holds "
-                         + (f"training lengths {sorted(map(str, lengths))}" if records else "none"))
-    other, other_scores = board_of(other_runs, records, lengths.pop())
+    other, other_scores = board_of(*other_length(args))
     view = two_lengths.build(other, board, other_scores, scores)
     where = {other.train_length: args.other_length, board.train_length: args.out}
     text = [f"# Two training lengths: {len(view.models)} position encodings",
@@ -352,6 +363,8 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
     preprocessed into ``data_bin``, then results, table and figures in ``args.out``. Raises
     :class:`~kerple_fairseq.experiments.wikitext103.PrepareError` or :class:`CommandFailed`."""
     started = time.time()
+    if args.other_length:
+        other_length(args)  # refused now rather than after the runs
     preprocess(tokens_dir, data_bin, args.vocab_size, log=stage)
     comparison = Comparison(
         data_bin, args.eval_lengths, args.num_targets, ["--cpu", "--no-progress-bar"], run,
