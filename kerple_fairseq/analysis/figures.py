@@ -238,7 +238,8 @@ def ranks_at_two_lengths(lines: Dict[str, List[Tuple[str, str, int, int, bool]]]
                          families: Sequence[str], path: str) -> None:
     """A panel per protocol: each model's rank at the longest length when trained at each of two lengths
     (``lengths``: each training length and the longest evaluated; ``lines``: label, family, the two ranks, and whether it is in a pair that swaps
-    order with both lengths resolving it, drawn bold), coloured by family; crossing lines are swaps."""
+    order with both lengths resolving it, drawn bold), coloured by family (each of ``families`` its own colour,
+    the legend naming those drawn); crossing lines are swaps."""
     plt = pyplot()
     most = max(len(ls) for ls in lines.values())
     fig, axes = plt.subplots(1, len(lines), figsize=(6.2 * len(lines), 0.24 * most + 1.6), squeeze=False)
@@ -257,8 +258,9 @@ def ranks_at_two_lengths(lines: Dict[str, List[Tuple[str, str, int, int, bool]]]
         for side in ("left", "right", "top"):
             ax.spines[side].set_visible(False)
         ax.set_title(protocol, fontsize=10)
-    handles = [plt.Line2D([], [], color=colour[f], lw=2, label=f) for f in families]
-    fig.legend(handles=handles, loc="lower center", ncol=len(families), fontsize=8, frameon=False)
+    drawn = [f for f in families if any(line[1] == f for models in lines.values() for line in models)]
+    handles = [plt.Line2D([], [], color=colour[f], lw=2, label=f) for f in drawn]
+    fig.legend(handles=handles, loc="lower center", ncol=len(drawn), fontsize=8, frameon=False)
     fig.suptitle("Rank at the longest length, trained at two lengths; bold: in a pair whose order reverses, "
                  "resolved at both", fontsize=10)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
