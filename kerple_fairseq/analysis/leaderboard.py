@@ -80,9 +80,10 @@ class Leaderboard:
         values = self.ppl[model, protocol, length]
         return float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
 
-    def ranks(self, protocol: str, length: int) -> Dict[str, int]:
-        """1 for the lowest mean perplexity; ties share the better rank; a model that diverged (NaN) ranks last."""
-        means = {e.name: self.mean(e.name, protocol, length) for e in self.entrants}
+    def ranks(self, protocol: str, length: int, among: Sequence[str] = ()) -> Dict[str, int]:
+        """1 for the lowest mean perplexity among the models ``among`` (default: every entrant); ties share the
+        better rank; a model that diverged (NaN) ranks last."""
+        means = {name: self.mean(name, protocol, length) for name in among or [e.name for e in self.entrants]}
         means = {name: math.inf if math.isnan(m) else m for name, m in means.items()}
         return {name: 1 + sum(other < m for other in means.values()) for name, m in means.items()}
 

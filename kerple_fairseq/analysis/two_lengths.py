@@ -50,9 +50,7 @@ class TwoLengths:
     def ranks(self, k: int, protocol: str) -> Dict[str, int]:
         """Board ``k``'s ranks at its longest length among :attr:`models` (1: lowest mean)."""
         board = self.boards[k]
-        means = {name: board.mean(name, protocol, board.longest) for name in self.models}
-        means = {name: float("inf") if m != m else m for name, m in means.items()}  # a diverged model ranks last
-        return {name: 1 + sum(other < m for other in means.values()) for name, m in means.items()}
+        return board.ranks(protocol, board.longest, among=self.models)
 
 
 def build(short: Leaderboard, long_: Leaderboard, short_scores: Scores, long_scores: Scores,
