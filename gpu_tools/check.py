@@ -8,7 +8,7 @@ time to the next; one that overruns is cut, what it finished kept, and the next 
    nothing it holds changed (``pip list`` before and after), then ``import fairseq, kerple_fairseq``;
    a refusal or a failed import ends the command;
 3. **cuda-tests**: ``tests/test_cuda.py`` (the CUDA tier), a per-test timeout, a JUnit XML file;
-4. **speed**: KERPLE Table 4's setting, ``scripts/benchmark.py`` on the 247M model in fp16;
+4. **speed**: KERPLE Table 4's setting, ``scripts/benchmark.py`` on the 247M model in fp16, and its profile;
 5. **train**: the bundle's sample preprocessed, then a short fp16 run of ALiBi's recipe on the 247M
    model, ``alibi`` and ``kerple_log`` side by side, a checkpoint saved every 50 updates;
 6. **eval**: ``kerple-eval-lm --fp16`` of both at 512 to 3072 tokens under both protocols, and their
@@ -63,12 +63,13 @@ TRAINING_STOP_MARGIN = 40
 EVAL = ["--lengths", "512", "1024", "2048", "3072", "--num-targets", "200"]
 TINY_EVAL = ["--lengths", "64", "128", "--num-targets", "20"]
 #: KERPLE's Table 4 setting: each kernel on the 247M model against stock sinusoidal positions, fp16,
-#: ALiBi's 9216 tokens per GPU
+#: ALiBi's 9216 tokens per GPU; then where a step's GPU time goes at 2048
 SPEED = ["--wiki103", "--fp16", "--baseline", "sinusoidal", "--models", "alibi", "kerple_log", "kerple_power", "t5",
          "--lengths", "512", "2048", "--batch-tokens", "9216", "--repeats", "7", "--memory-lengths", "8192", "16384",
-         "--generate"]
+         "--generate", "--profile", "12"]
 TINY_SPEED = ["--baseline", "sinusoidal", "--models", "alibi", "kerple_log", "--lengths", "64", "--batch-tokens",
-              "256", "--repeats", "1", "--memory-lengths", "128", "--generate", "16", "--max-cache-window", "8"]
+              "256", "--repeats", "1", "--memory-lengths", "128", "--generate", "16", "--max-cache-window", "8",
+              "--profile", "3"]
 #: each step's share of the budget in seconds (480 in all: the default --budget)
 SHARES = {"preflight": 15, "install": 45, "cuda-tests": 150, "speed": 100, "train": 120, "eval": 50}
 STEPS = tuple(SHARES)

@@ -127,3 +127,27 @@ def test_models_at_flex_and_sdpa_report_the_backend_that_ran_and_flex_compiles(t
     compiles = results["flex_compiles"]
     assert compiles["count"] >= 1 and compiles["seconds"] > 0
     assert f"FlexAttention: {compiles['count']} compiles" in proc.stdout
+
+
+def test_profile_lists_each_steps_costliest_operations_with_their_shares(capsys):
+    import torch
+
+    from kerple_fairseq.experiments.benchmark import build, profile_all
+
+    args = tiny_args(phases=["train", "eval"], lengths=[64, 96], batch_tokens=192, profile=1000)
+    cpu = torch.device("cpu")
+    models = {name: build(name, args, cpu) for name in ("alibi@sdpa", "alibi@explicit")}
+    rows = profile_all(models, args, cpu)
+    for phase in args.phases:
+        for name in models:
+            own = [r for r in rows if (r["phase"], r["model"]) == (phase, name)]
+            assert own and {r["length"] for r in own} == {96}, "the longest length"
+            shares = [r["share"] for r in own]
+            assert shares == sorted(shares, reverse=True) and sum(shares) == pytest.approx(1.0)
+            assert all(r["calls"] >= 1 and r["ms"] >= 0 for r in own)
+            names = " ".join(r["name"] for r in own)
+            assert ("scaled_dot_product" in names) == name.endswith("@sdpa"), (phase, name)
+            assert ("backward" in names.lower()) == (phase == "train"), (phase, name)
+    args.profile = 2
+    assert len(profile_all(models, args, cpu)) == 2 * 2 * 2
+    assert "profile train L=96 alibi@sdpa:" in capsys.readouterr().out

@@ -8,7 +8,8 @@ import functools
 import pytest
 import torch
 
-from helpers import FLEX_METHODS, flex_method_model, random_tokens
+from helpers import (FLEX_METHODS, HEADS_OF_16, NO_FLEX_BACKWARD, encoding_model, every_encoding, flex_method_model,
+                     random_tokens)
 from kerple_fairseq.attention import flex
 from kerple_fairseq.attention.attend import attend, masked_sdpa_backends
 from kerple_fairseq.attention.blocks import QueryBlock
@@ -19,16 +20,20 @@ CUDA = torch.device("cuda")
 BACKENDS = ["flex", "sdpa", "explicit"]
 #: methods checked in half precision, at 4096 tokens and in decoding (every one in float32)
 FEW = ["alibi", "kerple_log", "kerple_bias_wht", "fire", "fox"]
-#: methods with a layer's own term or a bias SSMax scales row by row, which FlexAttention serves on CUDA only
-#: without gradients (:func:`~kerple_fairseq.attention.attend.flex_serves`): asked for in training, another backend
-#: serves them, and FlexAttention is compared in decoding and with padding
-NO_FLEX_BACKWARD = {"fox", "fox_bias_only", "fire", "bam-ssmax"}
-#: the tiny models with heads of 16 dimensions, the fewest FlexAttention's CUDA kernels take
-HEADS_OF_16 = ("--decoder-attention-heads", "2")
+#: the comparison's encodings and learned positions that FLEX_METHODS lacks (the attention rules, DAPE, the
+#: layouts, the rotary scalings, absolute positions), each built as the comparison builds it (an evaluation-time
+#: method set in the model), and DAPE's convolution: on the backend CUDA chooses for each
+ENCODINGS = {name: flags for name, flags in every_encoding().items() if name not in FLEX_METHODS}
+ENCODINGS["dape_conv"] = ["--arch", "transformer_lm_kerple", "--dape", "conv"]
+#: half precision's types and the tolerances of their log-probabilities (gradients: times the largest)
+HALF = [(torch.float16, 3e-2), (torch.bfloat16, 2e-1)]
 
 
 def cuda_model(name, *flags):
-    """:func:`~helpers.flex_method_model` with heads FlexAttention takes on CUDA."""
+    """``name``'s tiny model (:data:`ENCODINGS` or :data:`~helpers.FLEX_METHODS`) with heads FlexAttention
+    takes on CUDA."""
+    if name in ENCODINGS:
+        return encoding_model(ENCODINGS[name], *HEADS_OF_16, *flags)
     return flex_method_model(name, *HEADS_OF_16, *flags)
 
 
@@ -67,6 +72,9 @@ def by_method(names):
 
 
 def compare(name, backend, length, dtype, *flags, tolerance):
+    """``name``'s model on CUDA in ``dtype`` through ``backend`` (None: the one it chooses) against the
+    float64 reference: log-probabilities within ``tolerance``, every gradient within ``tolerance`` times
+    the largest."""
     flags = ("--attention-dropout", "0", *flags)  # FlexAttention has no attention dropout
     tokens = random_tokens(batch=2, length=length, seed=3)
     cpu, (expected, expected_grads) = reference(name, length, flags)
@@ -79,8 +87,9 @@ def compare(name, backend, length, dtype, *flags, tolerance):
         got, grads = loss_and_gradients(model, tokens.to(CUDA), backend)
     finally:
         flex.attend = original
-    flex_expected = backend == "flex" and name not in NO_FLEX_BACKWARD
-    assert (len(calls) > 0) == flex_expected, "the backend asked for was not the one used"
+    if backend is not None:
+        flex_expected = backend == "flex" and name not in NO_FLEX_BACKWARD
+        assert (len(calls) > 0) == flex_expected, "the backend asked for was not the one used"
     torch.testing.assert_close(got.double().cpu(), expected, rtol=0, atol=tolerance)
     assert grads.keys() == expected_grads.keys()
     scale = max(g.abs().max().item() for g in expected_grads.values())
@@ -103,11 +112,22 @@ def test_blocks_of_a_long_sequence(name, backend):
     compare(name, backend, 4096, torch.float32, "--attention-block-size", "1024", tolerance=5e-4)
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.float16, 3e-2), (torch.bfloat16, 2e-1)])
+@pytest.mark.parametrize("dtype,tolerance", HALF)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", by_method(FEW))
 def test_half_precision(name, backend, dtype, tolerance):
     compare(name, backend, 512, dtype, "--attention-block-size", "0", tolerance=tolerance)
+
+
+@pytest.mark.parametrize("name", by_method(ENCODINGS))
+def test_every_encoding_in_float32(name):
+    compare(name, None, 333, torch.float32, "--attention-block-size", "0", tolerance=2e-4)
+
+
+@pytest.mark.parametrize("dtype,tolerance", HALF)
+@pytest.mark.parametrize("name", by_method(ENCODINGS))
+def test_every_encoding_in_half_precision(name, dtype, tolerance):
+    compare(name, None, 512, dtype, "--attention-block-size", "0", tolerance=tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -119,11 +139,13 @@ def test_half_precision_is_finite_at_16k(backend, dtype):
         assert torch.isfinite(model(random_tokens(batch=1, length=16384).to(CUDA))[0]).all()
 
 
-@pytest.mark.parametrize("name", FEW)
+@pytest.mark.parametrize("name", [*FEW, *ENCODINGS])
 def test_decoding_equals_full_scoring(name):
+    """Through FlexAttention for :data:`FEW`, on the backend each chooses for :data:`ENCODINGS`."""
     model = cuda_model(name).to(CUDA)
     tokens = random_tokens(batch=2, length=20).to(CUDA)
-    model.decoder.setup.backend = "flex"
+    if name in FEW:
+        model.decoder.setup.backend = "flex"
     state, steps = {}, []
     with torch.no_grad():
         full = torch.log_softmax(model(tokens)[0], dim=-1)

@@ -6,7 +6,6 @@ generators print as each token's log-probability (computed step by step, with th
 what one forward pass over the whole text gives, and a batch scores and generates as its sentences
 do one at a time."""
 
-import ast
 import math
 import re
 
@@ -16,11 +15,11 @@ from omegaconf import OmegaConf
 from fairseq.models.transformer_lm import TransformerLanguageModel
 
 from conftest import REPO, TRAIN_LENGTH, fairseq_cli, run, stock_eval_lm, train_in_process
+from helpers import every_encoding
 from kerple_fairseq.attention.methods import attention_method_option_fields
 from kerple_fairseq.kernels import option_fields
 from kerple_fairseq.layer_biases import layer_bias_option_fields
 from kerple_fairseq.models.config import KernelBiasedLMConfig
-from kerple_fairseq.models.position_methods import bias_names
 from kerple_fairseq.evaluation.loading import load_language_model, token_stream
 from kerple_fairseq.evaluation.scorer import WindowScorer
 from kerple_fairseq.evaluation.spans import early_token_cursed
@@ -30,38 +29,6 @@ from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS, po
 pytestmark = pytest.mark.slow
 
 USER_DIR = str(REPO / "kerple_fairseq")
-
-
-def as_model_flags(eval_flags):
-    """kerple-eval-lm's options of an encoding as model options: ``--model-overrides "{'a_b': v}"`` as ``--a-b v``
-    (a switch ``{'a_b': True}`` as ``--a-b``)."""
-    flags, rest = [], list(eval_flags)
-    while rest:
-        flag = rest.pop(0)
-        if flag == "--model-overrides":
-            for key, value in ast.literal_eval(rest.pop(0)).items():
-                if value is True:
-                    flags.append(f"--{key.replace('_', '-')}")
-                elif value is not False:
-                    flags += [f"--{key.replace('_', '-')}", str(value)]
-        else:
-            flags.append(flag)
-    return flags
-
-
-def every_encoding():
-    """fairseq flags by name: the comparison's position encodings (an evaluation-time method such as
-    ReRoPE set in the model), then every other kernel and layer bias on ``transformer_lm_kerple`` (each
-    model once), and learned positions."""
-    flags = {}
-    for name in [*POSITION_ENCODINGS, *bias_names()]:
-        encoding = position_encoding(name)
-        model_flags = encoding.model_flags() + as_model_flags(encoding.eval_flags) + \
-            (["--attn-window", "16"] if name == "window" else [])
-        if model_flags not in flags.values():
-            flags[name] = model_flags
-    flags["learned_pos"] = ["--arch", "transformer_lm_learned_pos"]
-    return flags
 
 
 ENCODINGS = every_encoding()

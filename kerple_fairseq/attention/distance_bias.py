@@ -223,8 +223,9 @@ class DistanceBlockBias:
 
     #: FlexAttention serves every distance kernel
     serves_flex = True
-    #: no layer's own bias is added
+    #: no layer's own bias is added, nor a term that gradients flow into beside the kernel's
     has_layer_term = False
+    term_carries_gradients = False
 
     @property
     def only_masks(self) -> bool:

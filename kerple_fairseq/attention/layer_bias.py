@@ -13,10 +13,11 @@ from kerple_fairseq.precision import precise
 class BlockBiasOnTop:
     """A block's bias built on another's (``base``): the same block, weight and block mask; never given
     to the kernel gradient backend (it has no per-distance values), and FlexAttention serves it as it
-    serves a layer's own term."""
+    serves a layer's own term: on CUDA only without gradients where gradients flow into that term."""
 
     per_head_parameters = False
     has_layer_term = True
+    term_carries_gradients = True
 
     def __init__(self, base):
         self.base = base
@@ -53,6 +54,13 @@ class LayerBlockBias(BlockBiasOnTop):
     @property
     def serves_flex(self) -> bool:
         return self.layer_bias.has_score_term
+
+    @property
+    def term_carries_gradients(self) -> bool:
+        """Gradients flow into the layer's term: through its parameters (FIRE's) or its state (FoX's gates);
+        not into a mask such as chunked attention's."""
+        return ((self.state is not None and self.state.requires_grad)
+                or any(p.requires_grad for p in self.layer_bias.parameters()))
 
     @property
     def only_masks(self) -> bool:

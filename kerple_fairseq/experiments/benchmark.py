@@ -1,7 +1,7 @@
 """Cost of the bias kernels against a baseline (no bias, or any other model): training-step and
 evaluation time at several lengths, peak memory of one evaluation forward (on CPU in a fresh
 process per model, on CUDA in this one), token-by-token generation with and without a trimmed
-cache, and what compiling FlexAttention cost. ``scripts/benchmark.py`` is its command line; the
+cache, what compiling FlexAttention cost, and where one step's time goes (``--profile``). ``scripts/benchmark.py`` is its command line; the
 ``args`` below are that command line's options."""
 
 import argparse
@@ -16,6 +16,8 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 from kerple_fairseq.attention import flex
 from kerple_fairseq.attention.attend import BACKENDS
@@ -151,6 +153,37 @@ def time_all(models, args, device):
                              "rounds_ms": [1000 * t for t in times[name]], "backends": dict(backends[name])})
                 print(f"{phase:<5} L={length:<6} {name:<20} {1000 * seconds:9.1f} ms  "
                       f"{batch * length / seconds:9.0f} tok/s  x{ratio:.3f}  {backend_label(backends[name])}",
+                      flush=True)
+    return rows
+
+
+def profile_all(models, args, device):
+    """One step of each of the ``--phases`` per model at the longest length, under torch's profiler: the
+    ``--profile`` most costly of what ran (CUDA kernels by their time on the GPU; on a CPU, operators by
+    their own time), each with its share of the step."""
+    length = max(args.lengths)
+    batch = max(1, args.batch_tokens // length)
+    tokens = torch.randint(4, vocabulary(args) + 4, (batch, length), device=device)
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
+    rows = []
+    for phase in args.phases:
+        for name, model in models.items():
+            with profile(activities=activities) as profiled:
+                PHASES[phase](model, tokens)
+                sync(device)
+            if on_gpu:
+                events = [(e, e.self_device_time_total) for e in profiled.key_averages()
+                          if e.device_type == DeviceType.CUDA]
+            else:
+                events = [(e, e.self_cpu_time_total) for e in profiled.key_averages()]
+            total = sum(us for _, us in events)
+            print(f"profile {phase} L={length} {name}: {total / 1000:.1f} ms of {'GPU' if on_gpu else 'CPU'} time",
+                  flush=True)
+            for event, us in sorted(events, key=lambda pair: -pair[1])[:args.profile]:
+                rows.append({"phase": phase, "length": length, "model": name, "name": event.key,
+                             "calls": event.count, "ms": us / 1000, "share": us / total if total else 0.0})
+                print(f"  {100 * rows[-1]['share']:5.1f}% {us / 1000:9.2f} ms {event.count:5d}x  {event.key[:100]}",
                       flush=True)
     return rows
 
@@ -299,6 +332,8 @@ def run(args: argparse.Namespace) -> None:
     models = {name: build(name, args, device) for name in args.models}
     results = {"config": {k: v for k, v in vars(args).items() if k != "measure_memory"},
                "device": device_name(device), "timing": time_all(models, args, device)}
+    if args.profile:
+        results["profile"] = profile_all(models, args, device)
     results["memory"] = memory_all(args, models, device)
     del models
     results["largest_length"] = largest_fitting(results["memory"], args.memory_budget * 2 ** 30)
