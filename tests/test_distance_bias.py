@@ -81,6 +81,43 @@ def test_shared_block_is_laid_out_once_per_forward_and_blocks_of_a_long_sequence
     assert len(laid) == 1, "the kernel is evaluated once per forward for every block"
 
 
+@pytest.mark.parametrize("kernel", ["alibi", "kerple_log"])
+def test_a_long_sequences_blocks_are_laid_out_once_for_every_layer_in_training_and_per_layer_in_evaluation(
+        kernel, monkeypatch):
+    """In training each layer's backward would keep its own laid-out blocks: one copy serves them all, and a
+    learnable kernel's gradient gathers every layer's (equal to the gradient through one block of every
+    query); without autograd a layer's blocks go once it is done."""
+    from helpers import random_tokens, tiny_model
+    from kerple_fairseq.attention import distance_bias as module
+
+    laid = []
+    original = module.toeplitz
+    monkeypatch.setattr(module, "toeplitz", lambda *a, **k: laid.append(a[1:3]) or original(*a, **k))
+    tokens = random_tokens(batch=2, length=24)
+    models, gradients, layouts = {}, {}, {}
+    for block_size in ("8", "0"):
+        torch.manual_seed(0)
+        models[block_size] = model = tiny_model(kernel, "--decoder-layers", "3", "--attention-block-size", block_size,
+                                                "--attention-backend", "sdpa").double().train()
+        laid.clear()
+        model(tokens)[0].sum().backward()
+        gradients[block_size] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        layouts[block_size] = list(laid)
+    blocks = [(b.num_queries, b.num_keys) for b in query_blocks(24, 24, block_size=8)]
+    assert len(blocks) == 3 and layouts == {"8": blocks, "0": [(24, 24)]}
+    assert gradients["8"].keys() == gradients["0"].keys()
+    assert ("decoder.attention_bias.kernel.r1" in gradients["0"]) == (kernel == "kerple_log")
+    for name, gradient in gradients["0"].items():
+        torch.testing.assert_close(gradients["8"][name], gradient, rtol=1e-9, atol=1e-12, msg=name)
+    laid.clear()
+    with torch.no_grad():
+        models["8"](tokens)
+    assert laid == blocks * 3
+    laid.clear()
+    models["8"](tokens)
+    assert laid == blocks, "autograd on: once for every layer"
+
+
 def test_window_needs_a_positive_window():
     with pytest.raises(KernelConfigError, match="--bias-kernel window needs --attn-window W > 0"):
         DistanceBias(build_kernel("window", 8))

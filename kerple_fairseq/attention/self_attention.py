@@ -196,7 +196,10 @@ class BiasedSelfAttention(MultiheadAttention):
         starts = rotary.band_starts(first_position, num_queries) if rotary is not None else []
         blocks = query_blocks(num_queries, num_keys, 0 if whole_rows else self.setup.block_size_now(),
                               0 if whole_rows else window, starts)
-        biases = [self.setup.bias.for_block(block, num_keys, shared=len(blocks) == 1) for block in blocks]
+        # every layer attends the same blocks: one block is laid out once for all; several, once for all
+        # while autograd is on (each layer's backward would keep its own copies), else per layer, one at a time
+        shared = len(blocks) == 1 or torch.is_grad_enabled()
+        biases = [self.setup.bias.for_block(block, num_keys, shared=shared) for block in blocks]
         if self.layer_bias is not None:
             biases = [LayerBlockBias(bias, self.layer_bias, first_position, state) for bias in biases]
         for method in self.query_scales or ():
