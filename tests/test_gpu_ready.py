@@ -1,5 +1,6 @@
-"""Every method's model is ready for a GPU, checked without one: training steps (forward, loss,
-backward, fairseq's Adam) and incremental decoding with beam search's reordering run on fake tensors
+"""Every method's model is ready for a GPU, checked without one (every kernel, layer bias, attention
+method and rotary variant, the layouts): training steps (forward, loss, backward, fairseq's Adam) and
+incremental decoding with beam search's reordering run on fake tensors
 (``FakeTensorMode``) of a device other than the CPU, under a watch that fails the test on a tensor of
 the wrong device and on every wait of the host for the device: a value read on the host (``.item()``,
 ``int()``, ``bool()``, ``.tolist()``), a shape that depends on values, a copy between host and device.
@@ -34,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 
 from helpers import FLEX_METHODS as HELPER_FLEX_METHODS, HEADS_OF_16, NO_FLEX_BACKWARD, VOCAB, flex_method_model, random_tokens, tiny_model
 from kerple_fairseq.attention import attend as attend_module, flex
+from kerple_fairseq.attention.methods import ATTENTION_METHODS
 from kerple_fairseq.kernels import kernel_names
 from kerple_fairseq.layer_biases.fire import FireBias
 
@@ -54,7 +56,14 @@ METHODS = [[kernel, *(["--attn-window", "8"] if kernel == "window" else [])] for
     ["none", "--rotary-embeddings", "--rotary-scaling", "ntk", "--rotary-scaling-length", "32"],
     ["none", "--rotary-embeddings", "--rotary-scaling", "dynamic-ntk", "--dynamic-ntk-step", "4"],
     ["none", "--rotary-embeddings", "--rotary-scaling", "yarn", "--rotary-scaling-length", "32"],
-]
+    ["none", "--rotary-embeddings", "--rotary-scaling", "rerope"],
+    ["none", "--rotary-embeddings", "--rotary-scaling", "leaky-rerope"],
+    ["none", "--rotary-embeddings", "--rotary-fraction", "0.25"],
+    ["none", "--rotary-embeddings", "--ssmax"],
+    ["none", "--layer-positions", "rotary@8,nope"],
+    ["none", "--layer-positions", "rotary@8,nope", "--swan-scaling"],
+    ["none", "--layer-positions", "rotary+chunked,nope", "--attn-chunk-size", "8", "--attn-temperature-tuning"],
+] + [["none", *flags] for method in ATTENTION_METHODS.values() for flags in method.command_lines().values()]
 
 # The host reads that remain, by (file, source line); fake tensors hold no values, so the test answers them.
 #: stock fairseq's TransformerDecoder: whether the batch has padding (none has here), at every forward
@@ -197,9 +206,10 @@ def decoding_reads(model):
     """The host reads decoding makes: stock fairseq's, and the cache keys of the frozen parameters of a
     learnable kernel and of FIRE."""
     reads = {PADDING_CHECK}
-    if any(True for _ in model.decoder.attention_bias.kernel.parameters()):
+    attentions = [layer.self_attn for layer in model.decoder.layers]
+    if any(True for attention in attentions for _ in attention.setup.bias.kernel.parameters()):
         reads.add(KERNEL_CACHE_KEY)
-    if isinstance(model.decoder.layers[0].self_attn.layer_bias, FireBias):
+    if any(isinstance(attention.layer_bias, FireBias) for attention in attentions):
         reads |= {FIRE_CACHE_KEY, FIRE_THRESHOLD_KEY}
     return reads
 
