@@ -84,9 +84,9 @@ def test_shared_block_is_laid_out_once_per_forward_and_blocks_of_a_long_sequence
 @pytest.mark.parametrize("kernel", ["alibi", "kerple_log"])
 def test_a_long_sequences_blocks_are_laid_out_once_for_every_layer_in_training_and_per_layer_in_evaluation(
         kernel, monkeypatch):
-    """In training each layer's backward would keep its own laid-out blocks: one copy serves them all, and a
-    learnable kernel's gradient gathers every layer's (equal to the gradient through one block of every
-    query); without autograd a layer's blocks go once it is done."""
+    """While autograd records, each layer's backward would keep its own laid-out blocks: one copy serves them
+    all, and a learnable kernel's gradient gathers every layer's (equal to the gradient through one block of
+    every query); otherwise a layer's blocks go once it is done."""
     from helpers import random_tokens, tiny_model
     from kerple_fairseq.attention import distance_bias as module
 
@@ -115,7 +115,11 @@ def test_a_long_sequences_blocks_are_laid_out_once_for_every_layer_in_training_a
     assert laid == blocks * 3
     laid.clear()
     models["8"](tokens)
-    assert laid == blocks, "autograd on: once for every layer"
+    assert laid == blocks, "autograd records: once for every layer"
+    laid.clear()
+    models["8"].requires_grad_(False)
+    models["8"](tokens)
+    assert laid == blocks * 3, "autograd on, nothing to record: per layer"
 
 
 def test_window_needs_a_positive_window():

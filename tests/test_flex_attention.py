@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from helpers import FLEX_METHODS, flex_method_model, random_tokens, tiny_model
-from kerple_fairseq.attention import flex
+from helpers import FLEX_METHODS, HEADS_OF_16, NO_FLEX_BACKWARD, flex_method_model, random_tokens, tiny_model
+from kerple_fairseq.attention import attend as attend_module, flex
 from kerple_fairseq.attention.attend import FLEX_MIN_KEYS_CPU, choose_backend
 from kerple_fairseq.attention.blocks import QueryBlock
 from kerple_fairseq.attention.layer_bias import LayerBlockBias
@@ -256,3 +256,34 @@ def test_score_modifications_capture_no_python_float(name, eager, monkeypatch):
     assert received, "FlexAttention was not used"
     for score_mod, visible in received:
         assert python_floats(score_mod) == [] and python_floats(visible) == []
+
+
+@pytest.mark.parametrize("name", list(FLEX_METHODS))
+def test_flex_attention_serves_on_cuda_in_training_every_term_of_positions_or_the_kernel(name, monkeypatch):
+    """Asked of each block with the same query on a (fake) CUDA device: in training FlexAttention serves
+    every method but those whose term reads the model's tensors (:data:`~helpers.NO_FLEX_BACKWARD`, which
+    PyTorch 2.11 compiles no backward for), frozen too; a mask of positions such as chunked attention's it
+    serves; without gradients, every one."""
+    original = attend_module.flex_serves
+    verdicts = []
+
+    def asked_on_cuda(q, bias, dropout, key_padding_mask):
+        with FakeTensorMode():
+            on_cuda = torch.empty(q.shape, dtype=q.dtype, device="cuda")
+        verdicts.append(original(on_cuda, bias, dropout, key_padding_mask))
+        return original(q, bias, dropout, key_padding_mask)
+
+    monkeypatch.setattr(attend_module, "flex_serves", asked_on_cuda)
+    model = flex_method_model(name, *HEADS_OF_16, "--attention-dropout", "0").train()
+    tokens = random_tokens(batch=2, length=24)
+    model(tokens)[0].sum().backward()
+    assert verdicts and set(verdicts) == {name not in NO_FLEX_BACKWARD}
+    verdicts.clear()
+    for p in model.decoder.layers.parameters():  # the layer biases frozen, the queries still needing gradients
+        p.requires_grad_(False)
+    model(tokens)[0].sum().backward()
+    assert verdicts and set(verdicts) == {name not in NO_FLEX_BACKWARD}
+    verdicts.clear()
+    with torch.no_grad():
+        model(tokens)
+    assert verdicts and set(verdicts) == {True}

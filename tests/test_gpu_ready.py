@@ -33,8 +33,8 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from helpers import FLEX_METHODS as HELPER_FLEX_METHODS, HEADS_OF_16, NO_FLEX_BACKWARD, VOCAB, flex_method_model, random_tokens, tiny_model
-from kerple_fairseq.attention import attend as attend_module, flex
+from helpers import VOCAB, tiny_model
+from kerple_fairseq.attention import flex
 from kerple_fairseq.attention.methods import ATTENTION_METHODS
 from kerple_fairseq.kernels import kernel_names
 from kerple_fairseq.layer_biases.fire import FireBias
@@ -287,7 +287,7 @@ def test_what_flex_attention_is_given_is_made_on_the_device_without_host_reads(f
         state = None if attention.layer_bias is None else attention.layer_bias.key_state(x, None)
         padding = torch.zeros(BATCH, LENGTH, dtype=torch.bool, device=DEVICE)
         with model.decoder.attention_bias.forward_scope():
-            for bias in attention._block_biases(LENGTH, LENGTH, False, 0, state):
+            for bias in attention._block_biases(LENGTH, LENGTH, False, 0, state, recorded=True):
                 block = bias.block
                 mask = bias.block_mask(DEVICE, padding[:, block.key_start:block.key_end])
                 score_mod = flex.masked(bias.score_mod(q.dtype, DEVICE), mask.visible)
@@ -298,26 +298,3 @@ def test_what_flex_attention_is_given_is_made_on_the_device_without_host_reads(f
                 assert logits.shape == (BATCH, q.size(1), block.num_queries, block.num_keys)
     assert watch.failures == []
 
-
-@pytest.mark.parametrize("name", list(HELPER_FLEX_METHODS))
-def test_flex_attention_serves_on_cuda_in_training_every_term_it_can_differentiate(name, monkeypatch):
-    """Asked of each block with the same query on a (fake) CUDA device: in training FlexAttention serves
-    every method but those whose term takes gradients (:data:`~helpers.NO_FLEX_BACKWARD`, which PyTorch
-    2.11 compiles no backward for), a mask such as chunked attention's included; without gradients, every one."""
-    original = attend_module.flex_serves
-    verdicts = []
-
-    def asked_on_cuda(q, bias, dropout, key_padding_mask):
-        with FakeTensorMode():
-            on_cuda = torch.empty(q.shape, dtype=q.dtype, device="cuda")
-        verdicts.append(original(on_cuda, bias, dropout, key_padding_mask))
-        return original(q, bias, dropout, key_padding_mask)
-
-    monkeypatch.setattr(attend_module, "flex_serves", asked_on_cuda)
-    model = flex_method_model(name, *HEADS_OF_16, "--attention-dropout", "0").train()
-    model(random_tokens(batch=2, length=LENGTH))[0].sum().backward()
-    assert verdicts and set(verdicts) == {name not in NO_FLEX_BACKWARD}
-    verdicts.clear()
-    with torch.no_grad():
-        model(random_tokens(batch=2, length=LENGTH))
-    assert verdicts and set(verdicts) == {True}

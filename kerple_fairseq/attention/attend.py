@@ -117,17 +117,18 @@ def choose_backend(q: Tensor, k: Tensor, bias: DistanceBlockBias, *, preference:
 def flex_serves(q: Tensor, bias: DistanceBlockBias, dropout: float, key_padding_mask: Optional[Tensor]) -> bool:
     """FlexAttention can attend the block: a bias it reads (every distance kernel, FIRE, FoX, chunked
     attention), a dtype it takes (not float64), no attention dropout; on CUDA, heads of at least
-    :data:`FLEX_MIN_HEAD_DIM_CUDA` dimensions, and a term that gradients flow into beside the kernel's
-    (a layer's own, SSMax's row factors) only without gradients (PyTorch 2.11 compiles no backward for
-    FoX's term, which indexes its cumulative gates twice, nor for FIRE's: measured on an H200, the first
-    NotImplementedError, the second a FakeTensor assertion; chunked attention's mask takes none); on CPU, no
+    :data:`FLEX_MIN_HEAD_DIM_CUDA` dimensions, and a term beside the kernel's that reads the model's
+    tensors (a layer's parameters or state, SSMax's row factors) only without gradients (PyTorch 2.11
+    compiles no backward for FoX's term, which indexes its cumulative gates twice, nor for FIRE's:
+    measured on an H200, the first NotImplementedError, the second a FakeTensor assertion; through
+    chunked attention's mask, a term of positions alone, it does: measured on an H100); on CPU, no
     gradient (it has no CPU backward) and, compiled, neither key padding nor a layer's own bias
     (PyTorch 2.13's CPU compiler fails on terms that read the batch index, as padding and FoX do, and on
     FIRE's)."""
     if not (flex.available() and bias.serves_flex and dropout == 0.0 and q.dtype in flex.DTYPES):
         return False
     if q.device.type == "cuda":
-        return q.size(-1) >= FLEX_MIN_HEAD_DIM_CUDA and not (torch.is_grad_enabled() and bias.term_carries_gradients)
+        return q.size(-1) >= FLEX_MIN_HEAD_DIM_CUDA and not (torch.is_grad_enabled() and bias.term_reads_model_tensors)
     return (q.device.type == "cpu" and not torch.is_grad_enabled()
             and (not flex.COMPILED or (key_padding_mask is None and not bias.has_layer_term)))
 

@@ -223,9 +223,10 @@ class DistanceBlockBias:
 
     #: FlexAttention serves every distance kernel
     serves_flex = True
-    #: no layer's own bias is added, nor a term that gradients flow into beside the kernel's
+    #: no layer's own bias is added (FlexAttention's CPU compiler fails on some), nor a term beside the
+    #: kernel's that reads the model's tensors (FlexAttention's CUDA backward fails on some)
     has_layer_term = False
-    term_carries_gradients = False
+    term_reads_model_tensors = False
 
     @property
     def only_masks(self) -> bool:

@@ -13,11 +13,12 @@ from kerple_fairseq.precision import precise
 class BlockBiasOnTop:
     """A block's bias built on another's (``base``): the same block, weight and block mask; never given
     to the kernel gradient backend (it has no per-distance values), and FlexAttention serves it as it
-    serves a layer's own term: on CUDA only without gradients where gradients flow into that term."""
+    serves a layer's own term; its term reads the model's tensors unless a subclass knows otherwise (on
+    CUDA, FlexAttention then serves it only without gradients)."""
 
     per_head_parameters = False
     has_layer_term = True
-    term_carries_gradients = True
+    term_reads_model_tensors = True
 
     def __init__(self, base):
         self.base = base
@@ -56,11 +57,10 @@ class LayerBlockBias(BlockBiasOnTop):
         return self.layer_bias.has_score_term
 
     @property
-    def term_carries_gradients(self) -> bool:
-        """Gradients flow into the layer's term: through its parameters (FIRE's) or its state (FoX's gates);
-        not into a mask such as chunked attention's."""
-        return ((self.state is not None and self.state.requires_grad)
-                or any(p.requires_grad for p in self.layer_bias.parameters()))
+    def term_reads_model_tensors(self) -> bool:
+        """The layer's term reads parameters (FIRE's) or a state (FoX's gates), frozen or not; a term of
+        positions alone (chunked attention's mask) reads neither."""
+        return self.state is not None or any(True for _ in self.layer_bias.parameters())
 
     @property
     def only_masks(self) -> bool:

@@ -186,19 +186,20 @@ class BiasedSelfAttention(MultiheadAttention):
         self._set_input_buffer(incremental_state, saved)
 
     def _block_biases(self, num_queries: int, num_keys: int, whole_rows: bool, first_position: int,
-                      state: Optional[Tensor]) -> List[DistanceBlockBias]:
+                      state: Optional[Tensor], recorded: bool) -> List[DistanceBlockBias]:
         """The bias of each block of queries (:func:`query_blocks`); with ``whole_rows``, blocks against
         every key up to their last query, split only where dynamic NTK's bands start. Query 0 is at
-        absolute position ``first_position``; ``state`` is the layer bias's state of every key. The query
-        methods may scale each block's bias (scalable softmax on the whole logit)."""
+        absolute position ``first_position``; ``state`` is the layer bias's state of every key; ``recorded``:
+        autograd records the attention. The query methods may scale each block's bias (scalable softmax on
+        the whole logit)."""
         window = self.setup.bias.attention_window
         rotary = self.setup.rotary
         starts = rotary.band_starts(first_position, num_queries) if rotary is not None else []
         blocks = query_blocks(num_queries, num_keys, 0 if whole_rows else self.setup.block_size_now(),
                               0 if whole_rows else window, starts)
         # every layer attends the same blocks: one block is laid out once for all; several, once for all
-        # while autograd is on (each layer's backward would keep its own copies), else per layer, one at a time
-        shared = len(blocks) == 1 or torch.is_grad_enabled()
+        # while autograd records (each layer's backward would keep its own copies), else per layer, one at a time
+        shared = len(blocks) == 1 or recorded
         biases = [self.setup.bias.for_block(block, num_keys, shared=shared) for block in blocks]
         if self.layer_bias is not None:
             biases = [LayerBlockBias(bias, self.layer_bias, first_position, state) for bias in biases]
@@ -238,7 +239,8 @@ class BiasedSelfAttention(MultiheadAttention):
         record = self.record
         keep_logits = record is not None and record.keep_logits
         whole_rows = need_probabilities or keep_logits
-        biases = self._block_biases(q.size(2), num_keys, whole_rows, first_position, states.get("prev_bias_state"))
+        biases = self._block_biases(q.size(2), num_keys, whole_rows, first_position, states.get("prev_bias_state"),
+                                    recorded=torch.is_grad_enabled() and q.requires_grad)
         dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
         method = self.score_transform
         transforms = None if method is None else method.call_transforms(

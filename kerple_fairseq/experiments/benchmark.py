@@ -1,8 +1,8 @@
 """Cost of the bias kernels against a baseline (no bias, or any other model): training-step and
 evaluation time at several lengths, peak memory of one evaluation forward (on CPU in a fresh
 process per model, on CUDA in this one), token-by-token generation with and without a trimmed
-cache, what compiling FlexAttention cost, and where one step's time goes (``--profile``). ``scripts/benchmark.py`` is its command line; the
-``args`` below are that command line's options."""
+cache, what compiling FlexAttention cost, and where one step's time goes (``--profile``).
+``scripts/benchmark.py`` is its command line; the ``args`` below are that command line's options."""
 
 import argparse
 import collections
@@ -122,13 +122,19 @@ def backend_label(chosen: collections.Counter) -> str:
     return "[" + ", ".join(f"{backend} {count}" for backend, count in chosen.most_common()) + "]"
 
 
+def batch_of(length, args, device):
+    """``--batch-tokens`` random tokens as sequences of ``length`` (at least one)."""
+    batch = max(1, args.batch_tokens // length)
+    return torch.randint(4, vocabulary(args) + 4, (batch, length), device=device)
+
+
 def time_all(models, args, device):
     """Training steps and evaluation forwards (the ``--phases``) of every model at every length, in
     rotating rounds; ratios to the ``--baseline``."""
     rows = []
     for length in args.lengths:
-        batch = max(1, args.batch_tokens // length)
-        tokens = torch.randint(4, vocabulary(args) + 4, (batch, length), device=device)
+        tokens = batch_of(length, args, device)
+        batch = tokens.size(0)
         for phase in args.phases:
             step = PHASES[phase]
             times, backends = {name: [] for name in models}, {}
@@ -162,8 +168,7 @@ def profile_all(models, args, device):
     ``--profile`` most costly of what ran (CUDA kernels by their time on the GPU; on a CPU, operators by
     their own time), each with its share of the step."""
     length = max(args.lengths)
-    batch = max(1, args.batch_tokens // length)
-    tokens = torch.randint(4, vocabulary(args) + 4, (batch, length), device=device)
+    tokens = batch_of(length, args, device)
     on_gpu = device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
     rows = []
