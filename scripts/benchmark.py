@@ -77,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--measure-memory", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.profile < 0:
+        p.error(f"--profile must be >= 0 (kernels listed per step; 0: no profile), got {args.profile}")
     if args.quick:
         args.models = [m for m in DEFAULT_MODELS if m in ("none", "sinusoidal", "alibi", "kerple_log")]
         args.lengths, args.repeats, args.memory_lengths, args.batch_tokens = [128, 256], 3, [2048], 2048

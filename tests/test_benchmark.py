@@ -151,3 +151,13 @@ def test_profile_lists_each_steps_costliest_operations_with_their_shares(capsys)
     args.profile = 2
     assert len(profile_all(models, args, cpu)) == 2 * 2 * 2
     assert "profile train L=96 alibi@sdpa:" in capsys.readouterr().out
+
+
+def test_a_negative_profile_is_refused_in_one_line(tmp_path):
+    proc = run([sys.executable, REPO / "scripts" / "benchmark.py", "--profile", "-3", "--cpu", "--json",
+                tmp_path / "bench.json"], check=False)
+    assert proc.returncode == 2 and not (tmp_path / "bench.json").exists()
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "benchmark.py: error: --profile must be >= 0 (kernels listed per step; 0: no profile), got -3")
+    assert "Traceback" not in proc.stderr
+
