@@ -50,7 +50,7 @@ METHODS = [[kernel, *(["--attn-window", "8"] if kernel == "window" else [])] for
     ["alibi", "--max-cache-window", "4"],
     ["fire"], ["fox"], ["fox_bias_only"],
     ["alibi", "--dape", "mlp"], ["kerple_log", "--dape", "conv"],
-    ["none", "--cope"], ["kerple_log", "--cope"],
+    ["kerple_log", "--cope"],
     ["none", "--rotary-embeddings"],
     ["none", "--rotary-embeddings", "--rotary-xpos"],
     ["none", "--rotary-embeddings", "--rotary-scaling", "ntk", "--rotary-scaling-length", "32"],
@@ -297,4 +297,3 @@ def test_what_flex_attention_is_given_is_made_on_the_device_without_host_reads(f
                                                device=DEVICE), *cells)
                 assert logits.shape == (BATCH, q.size(1), block.num_queries, block.num_keys)
     assert watch.failures == []
-
