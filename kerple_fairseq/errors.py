@@ -7,7 +7,8 @@ mistake as one line. What an error *is* is known where its subject lives, and re
 - :func:`register_one_line_report` adds a recogniser of uncaught errors (besides
   :class:`KernelConfigError`) that are reported as one line: a refused checkpoint
   (:func:`kerple_fairseq.evaluation.checkpoint_file.refused_checkpoint_report`), a lost process of a
-  training run (:func:`kerple_fairseq.training.distributed.lost_peer_report`);
+  training run (:func:`kerple_fairseq.training.distributed.lost_peer_report`), a failed check of a
+  fairseq command's options (:func:`fairseq_option_check_report`);
 - :func:`register_usage_hint` adds what to say after a command-line error (the missing ``--task`` of
   the plugin's architectures: :func:`kerple_fairseq.models.transformer_lm_kerple.task_hint`).
 
@@ -16,8 +17,10 @@ these, in the order listed there.
 """
 
 import argparse
+import os
 import re
 import sys
+import traceback
 from typing import Callable, List, Optional, Sequence
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -49,6 +52,18 @@ def first_line(error: BaseException) -> str:
     """The first line of ``error``'s message, without terminal colour codes (its type if it has none)."""
     lines = ANSI_ESCAPE.sub("", str(error)).strip().splitlines()
     return lines[0].strip() if lines else type(error).__name__
+
+
+def fairseq_option_check_report(error: BaseException) -> Optional[str]:
+    """The message of a failed ``assert`` in a fairseq command's own code (``fairseq_cli``), which checks
+    the options given and says what to change (fairseq-train without ``--max-tokens`` or ``--batch-size``,
+    fairseq-generate's sampling options), or None for any other error."""
+    if not isinstance(error, AssertionError) or not str(error).strip():
+        return None
+    frames = traceback.extract_tb(error.__traceback__)
+    if frames and f"{os.sep}fairseq_cli{os.sep}" in frames[-1].filename:
+        return first_line(error)
+    return None
 
 
 def register_one_line_report(recognise: Callable[[BaseException], Optional[str]]) -> None:

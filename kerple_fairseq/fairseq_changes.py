@@ -18,8 +18,8 @@ from typing import Callable, NamedTuple
 
 import numpy
 
-from kerple_fairseq.errors import (install_one_line_errors, register_one_line_report, register_usage_hint,
-                                   report_hydra_jobs_in_one_line)
+from kerple_fairseq.errors import (fairseq_option_check_report, install_one_line_errors, register_one_line_report,
+                                   register_usage_hint, report_hydra_jobs_in_one_line)
 from kerple_fairseq.evaluation.checkpoint_file import (allow_checkpoint_globals, install_checkpoint_reading_errors,
                                                        missing_checkpoint_report, refused_checkpoint_report)
 from kerple_fairseq.evaluation.loading import missing_data_report
@@ -88,6 +88,10 @@ def report_lost_processes_in_one_line() -> None:
     register_one_line_report(lost_peer_report)
 
 
+def report_failed_option_checks_in_one_line() -> None:
+    register_one_line_report(fairseq_option_check_report)
+
+
 def hint_the_missing_task() -> None:
     register_usage_hint(task_hint)
 
@@ -124,6 +128,9 @@ CHANGES = (
            "a folder that is not a data-bin, a split it lacks, or a checkpoint of another dictionary end "
            "fairseq's tools in tracebacks (FileNotFoundError of dict.txt, 'Dataset not found', load_state_dict's "
            "size mismatch): one line says which and what to give"),
+    Change(report_failed_option_checks_in_one_line,
+           "fairseq's commands check some options with assert (fairseq-train without --max-tokens or "
+           "--batch-size): the AssertionError's traceback hides its message, which says what to add"),
     Change(report_hydra_jobs_in_one_line,
            "Hydra catches a job's errors and prints them with its traceback, so fairseq-hydra-train never reached "
            "the one-line reports: a failed job whose error has one ends in that line"),

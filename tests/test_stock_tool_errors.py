@@ -1,6 +1,6 @@
 """Bad input through fairseq's own commands, the plugin loaded with ``--user-dir kerple_fairseq``: a
 folder that is not a data-bin, a split it lacks, a checkpoint that does not exist, is truncated, asks
-for code, or was trained on another dictionary. Each ends in one ``kerple_fairseq: error:`` line and a
+for code, or was trained on another dictionary, an option a command checks with ``assert``. Each ends in one ``kerple_fairseq: error:`` line and a
 non-zero exit, with no traceback, no ``--save-dir`` left behind, and the files given left as they were.
 The hub interface loads a plugin checkpoint without ``import kerple_fairseq`` when told the plugin's
 folder (fairseq's ``user_dir=``)."""
@@ -44,6 +44,11 @@ def train(data, save_dir, *extra):
     return [BIN / "fairseq-train", data, *TRAIN_FLAGS, *ARCH, "--max-update", "1", "--save-dir", save_dir, *extra]
 
 
+def train_without_a_batch_size(data, save_dir):
+    at = TRAIN_FLAGS.index("--max-tokens")
+    return [BIN / "fairseq-train", data, *TRAIN_FLAGS[:at], *TRAIN_FLAGS[at + 2:], *ARCH, "--save-dir", save_dir]
+
+
 def eval_lm(data, path, *extra):
     return [BIN / "fairseq-eval-lm", data, *USER_DIR, "--path", path, "--cpu", *extra]
 
@@ -52,8 +57,9 @@ def interactive(data, path):
     return [BIN / "fairseq-interactive", data, *USER_DIR, "--task", "language_modeling", "--path", path, "--cpu"]
 
 
-def generate(data, path):
-    return [BIN / "fairseq-generate", data, *USER_DIR, "--task", "language_modeling", "--path", path, "--cpu",
+def generate(data, path=None):
+    checkpoint = [] if path is None else ["--path", path]
+    return [BIN / "fairseq-generate", data, *USER_DIR, "--task", "language_modeling", *checkpoint, "--cpu",
             "--sampling", "--beam", "1", "--nbest", "1", "--max-len-b", "4"]
 
 
@@ -73,6 +79,9 @@ CASES = {
                                         "not a PyTorch file, or a damaged or truncated one", truncated),
     "train: --restore-file asking for code": (lambda t, d, s, c: train(d, s, "--restore-file", c),
                                               "refused to read checkpoint", asking_for_code),
+    "train: no --max-tokens or --batch-size": (lambda t, d, s, c: train_without_a_batch_size(d, s),
+                                               "Must specify batch size either with --max-tokens or --batch-size",
+                                               None),
     "hydra-train: no such data-bin": (lambda t, d, s, c: hydra_train(t / "no-such-dir", s, t),
                                       "is not a fairseq data-bin", None),
     "eval-lm: no such data-bin": (lambda t, d, s, c: eval_lm(t / "no-such-dir", CHECKPOINT),
@@ -92,6 +101,8 @@ CASES = {
                                           truncated),
     "generate: no such data-bin": (lambda t, d, s, c: generate(t / "no-such-dir", CHECKPOINT),
                                    "is not a fairseq data-bin", None),
+    "generate: no --path": (lambda t, d, s, c: generate(SAVED),
+                            "--path required for generation", None),
     "generate: checkpoint asking for code": (lambda t, d, s, c: generate(SAVED, c), "refused to read checkpoint",
                                              asking_for_code),
 }
