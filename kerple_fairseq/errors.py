@@ -57,7 +57,7 @@ def first_line(error: BaseException) -> str:
 def fairseq_option_check_report(error: BaseException) -> Optional[str]:
     """The message of a failed ``assert`` in a fairseq command's own code (``fairseq_cli``), which checks
     the options given and says what to change (fairseq-train without ``--max-tokens`` or ``--batch-size``,
-    fairseq-generate's sampling options), or None for any other error."""
+    fairseq-generate without ``--path``), or None for any other error."""
     if not isinstance(error, AssertionError) or not str(error).strip():
         return None
     frames = traceback.extract_tb(error.__traceback__)
