@@ -2,8 +2,8 @@
 folder that is not a data-bin, a split it lacks, a checkpoint that does not exist, is truncated, asks
 for code, or was trained on another dictionary, an option a command checks with ``assert``. Each ends
 in one ``kerple_fairseq: error:`` line and a non-zero exit, with no traceback, no ``--save-dir`` left
-behind, and the files given left as they were. The hub interface loads a plugin checkpoint without ``import kerple_fairseq`` when told the plugin's
-folder (fairseq's ``user_dir=``)."""
+behind, and the files given left as they were. The hub interface loads a plugin checkpoint without
+``import kerple_fairseq`` when told the plugin's folder (fairseq's ``user_dir=``)."""
 
 import os
 import re
