@@ -20,7 +20,7 @@ setup(
         "numpy",
         "tensorboard",
     ],
-    extras_require={"test": ["pytest", "pytest-xdist", "filelock"], "plots": ["matplotlib"]},
+    extras_require={"test": ["pytest", "pytest-xdist", "pytest-timeout", "filelock"], "plots": ["matplotlib"]},
     entry_points={"console_scripts": [
         "kerple-eval-lm = kerple_fairseq.evaluation.cli:cli_main",
         "kerple-analyze = kerple_fairseq.analysis.cli:cli_main",

@@ -200,6 +200,26 @@ def test_a_cut_test_run_leaves_its_report(tmp_path):
     assert (summary["passed"], summary["failed"], summary["interrupted"]) == (1, 0, 1)
 
 
+@pytest.mark.slow
+def test_a_cuda_tier_longer_than_its_time_ends_itself_with_its_report(tmp_path, monkeypatch):
+    """The tier's own command, its workers included, starts no test in the last SESSION_MARGIN seconds
+    of its time: pytest ends by itself before the cut, its JUnit XML written (on a fresh H100 a cut
+    that reached pytest-xdist tearing down its workers left no report)."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_cuda.py").write_text(
+        "import time\n\nimport pytest\n\n\n@pytest.mark.cuda\n@pytest.mark.parametrize('i', range(200))\n"
+        "def test_slow(i):\n    time.sleep(3)\n")
+    monkeypatch.setattr(gpu_check, "SESSION_MARGIN", 20)
+    paths = gpu_check.Paths(repo=tmp_path, bundle=tmp_path, results=tmp_path, work=tmp_path)
+    log = gpu_check.Log(tmp_path / "log")
+    start = time.monotonic()
+    outcome, summary = gpu_check.cuda_tests(paths, "gpu", sys.executable, 40, log, dict(os.environ), None, None)
+    assert time.monotonic() - start < 40, "pytest ended by itself, not at the cut"
+    assert "--session-timeout=20" in (tmp_path / "log").read_text()
+    assert (outcome.status, outcome.note) == ("cut", "no test started in its last 20 s")
+    tests = summary["cuda_tests"]
+    assert 0 < tests["passed"] < 200 and tests["failed"] == tests["errors"] == 0 and "interrupted" not in tests
+
 def printed_commands(log: str):
     """The command lines the dry run printed (``$ ...``), by program (the script's or module's name)."""
     commands = {}
