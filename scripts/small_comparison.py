@@ -108,6 +108,9 @@ def main():
         args.eval_lengths = [args.train_length * 2 ** k for k in range(6)]
     if any(n <= 0 for n in [args.train_length, args.updates, args.num_targets, args.num_segments, *args.eval_lengths]):
         fail("--train-length, --updates, --num-targets, --num-segments and --eval-lengths must be positive")
+    if args.train_length < 2:
+        fail("--train-length must be 2 or more: one token has no other position, and ReRoPE scales queries by "
+             "log(i + 1) / log(training length)")
     if args.budget_hours is not None and args.budget_hours <= 0:
         fail("--budget-hours must be positive")
     if args.every_seed_top < 0:

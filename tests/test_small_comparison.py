@@ -295,7 +295,9 @@ def test_a_wrong_other_length_or_budget_is_refused_before_any_run(comparison, sa
                                             "at one length other than 16; it holds no evaluated run of them"),
              (("--other-length", tmp_path / "absent"), f"--other-length {tmp_path / 'absent'} is not a directory: give "
                                                        "the --out of a comparison at another training length"),
-             (("--budget-hours", "0"), "--budget-hours must be positive")]
+             (("--budget-hours", "0"), "--budget-hours must be positive"),
+             (("--train-length", "1"), "--train-length must be 2 or more: one token has no other position, and "
+                                       "ReRoPE scales queries by log(i + 1) / log(training length)")]
     for options, message in cases:
         proc = run(tiny_comparison(sample_dir, tmp_path, *options), check=False)
         assert proc.returncode == 2 and proc.stderr.strip() == f"small_comparison: error: {message}"
