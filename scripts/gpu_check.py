@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """The GPU checks in one bounded command, on a machine with a CUDA GPU and no network.
 
-Steps, in order, each within its share of --budget (seconds: preflight 15, install 45, cuda-tests 150,
-speed 100, train 120, eval 50; a step that ends early leaves its time to the next, one that overruns
-is cut and the next started): the machine; what the environment lacks of the bundle, nothing it holds
-changed; the CUDA test tier; KERPLE Table 4's speed; a short fp16 training of the 247M model
-(alibi, kerple_log); kerple-eval-lm --fp16 of both. The results folder gets gpu-check.log,
+Steps, in order, each within its share of --budget (seconds: {shares};
+a step that ends early leaves its time to the next, one that overruns is cut and the next started):
+the machine; what the environment lacks of the bundle, nothing it holds changed; the CUDA test tier;
+KERPLE Table 4's speed; a short fp16 training of the 247M model (alibi, kerple_log); kerple-eval-lm
+--fp16 of both. The results folder gets gpu-check.log,
 gpu-check.json (rewritten after every step) and cuda-tests.xml. See docs/gpu.md.
 
     bash scripts/gpu-check.sh --results DIR     # on the GPU machine, gpu-bundle/ carried in the checkout
@@ -26,7 +26,8 @@ from gpu_tools.check import SHARES, STEPS, Paths, check  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="gpu-check", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+                                epilog=__doc__.split("\n\n", 1)[1].format(
+                                    shares=", ".join(f"{step} {seconds}" for step, seconds in SHARES.items())))
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--rehearse", action="store_true",
                       help="without a GPU, in an environment of the GPU image's versions: every step, the CUDA "
