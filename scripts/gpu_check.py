@@ -5,8 +5,8 @@ Steps, in order, each within its share of --budget (seconds: {shares};
 a step that ends early leaves its time to the next, one that overruns is cut and the next started):
 the machine; what the environment lacks of the bundle, nothing it holds changed; the CUDA test tier;
 KERPLE Table 4's speed; a short fp16 training of the 247M model (alibi, kerple_log); kerple-eval-lm
---fp16 of both. The results folder gets gpu-check.log,
-gpu-check.json (rewritten after every step) and cuda-tests.xml. See docs/gpu.md.
+--fp16 of both. The results folder gets gpu-check.log, gpu-check.json (rewritten after every step) and
+cuda-tests.xml. See docs/gpu.md.
 
     bash scripts/gpu-check.sh --results DIR     # on the GPU machine, gpu-bundle/ carried in the checkout
     bash scripts/gpu-check.sh --rehearse        # here: every step on the GPU image's stack minus CUDA

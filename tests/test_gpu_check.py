@@ -207,18 +207,20 @@ def test_a_cuda_tier_longer_than_its_time_ends_itself_with_its_report(tmp_path, 
     that reached pytest-xdist tearing down its workers left no report)."""
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_cuda.py").write_text(
-        "import time\n\nimport pytest\n\n\n@pytest.mark.cuda\n@pytest.mark.parametrize('i', range(200))\n"
-        "def test_slow(i):\n    time.sleep(3)\n")
-    monkeypatch.setattr(gpu_check, "SESSION_MARGIN", 20)
+        "import time\n\nimport pytest\n\n\n@pytest.mark.cuda\n@pytest.mark.parametrize('i', range(1200))\n"
+        "def test_slow(i):\n    time.sleep(1)\n")
+    # 12 workers on a loaded 2-core machine start seconds apart, each counting its own session time
+    monkeypatch.setattr(gpu_check, "SESSION_MARGIN", 30)
     paths = gpu_check.Paths(repo=tmp_path, bundle=tmp_path, results=tmp_path, work=tmp_path)
     log = gpu_check.Log(tmp_path / "log")
     start = time.monotonic()
-    outcome, summary = gpu_check.cuda_tests(paths, "gpu", sys.executable, 40, log, dict(os.environ), None, None)
-    assert time.monotonic() - start < 40, "pytest ended by itself, not at the cut"
-    assert "--session-timeout=20" in (tmp_path / "log").read_text()
-    assert (outcome.status, outcome.note) == ("cut", "no test started in its last 20 s")
+    outcome, summary = gpu_check.cuda_tests(paths, "gpu", sys.executable, 60, log, dict(os.environ), None, None)
+    assert time.monotonic() - start < 60, "pytest ended by itself, not at the cut"
+    assert "--session-timeout=30" in (tmp_path / "log").read_text()
+    assert (outcome.status, outcome.note) == ("cut", "no test started in its last 30 s")
     tests = summary["cuda_tests"]
-    assert 0 < tests["passed"] < 200 and tests["failed"] == tests["errors"] == 0 and "interrupted" not in tests
+    assert 0 < tests["passed"] < 1200 and tests["failed"] == tests["errors"] == 0 and "interrupted" not in tests
+
 
 def printed_commands(log: str):
     """The command lines the dry run printed (``$ ...``), by program (the script's or module's name)."""
