@@ -91,6 +91,11 @@ def test_each_swap_is_compared_at_both_lengths_over_the_seeds_both_models_have(v
     assert [v.verdict for v in hair.versus] == [NOT_RESOLVED, NOT_RESOLVED] and hair.finding == two_lengths.NEITHER
     assert two_lengths.Swap(PROTOCOL, "a", "b", [hair.versus[0], alibi_fire.versus[1]], (8, 16)).finding == \
         "resolved at L_train=16 only"
+    # a board resolving the order opposite to its ranks (means over unequal seeds) reverses nothing
+    assert two_lengths.Swap(PROTOCOL, "a", "b", [alibi_fire.versus[0], alibi_fire.versus[0]], (8, 16)).finding == \
+        "same order on the seeds both have (resolved at L_train=16)"
+    assert two_lengths.Swap(PROTOCOL, "a", "b", [alibi_fire.versus[1], alibi_fire.versus[1]], (8, 16)).finding == \
+        "same order on the seeds both have (resolved at L_train=8)"
 
 
 def test_tables_csv_and_figure_lines(view):

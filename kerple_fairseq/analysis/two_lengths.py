@@ -8,7 +8,10 @@ length and behind at the other (under the same protocol). For each swap, each bo
 comparison of the two (the later model minus the earlier one, seed by seed over the seeds both have,
 :func:`leaderboard.paired`) says whether that board resolves its order: a swap resolved at both
 lengths is a finding that changed with the training length; one resolved at one length only is an
-order that the other length does not confirm; one resolved at neither is noise at both.
+order that the other length does not confirm; one resolved at neither is noise at both. Ranks come from
+each model's mean over its own seeds, so where two models have different seeds a board's paired
+comparison can resolve the order opposite to its ranks: the pair keeps one order on the seeds both have,
+and the swap is the unequal seeds'.
 """
 
 from dataclasses import dataclass, field
@@ -17,6 +20,7 @@ from typing import Dict, List, Tuple
 from kerple_fairseq.analysis.leaderboard import RESOLVED, Leaderboard, Scores, Versus, paired
 
 BOTH, NEITHER = "reversed (resolved at both)", "resolved at neither"
+SAME_ORDER = "same order on the seeds both have (resolved at L_train={})"
 
 
 @dataclass
@@ -29,7 +33,12 @@ class Swap:
 
     @property
     def finding(self) -> str:
-        resolved = [v.verdict == RESOLVED for v in self.versus]
+        # each board's ranks put ``behind`` after ``ahead`` at the shorter length, before it at the longer
+        said = [0 if v.verdict != RESOLVED else 1 if sign * sum(v.difference) > 0 else -1
+                for v, sign in zip(self.versus, (1, -1))]
+        if -1 in said:
+            return SAME_ORDER.format(self.train_lengths[said.index(-1)])
+        resolved = [s == 1 for s in said]
         if all(resolved):
             return BOTH
         if not any(resolved):
@@ -99,7 +108,7 @@ def markdown(view: TwoLengths, protocol: str) -> str:
                      f"{_ppl(long_, name, protocol, long_.longest)} | {100 * short.change(name, protocol):+.1f}% | "
                      f"{100 * long_.change(name, protocol):+.1f}% |")
     swaps = sorted((s for s in view.swaps if s.protocol == protocol),
-                   key=lambda s: ([v.verdict == RESOLVED for v in s.versus] != [True, True], before[s.ahead], before[s.behind]))
+                   key=lambda s: (s.finding != BOTH, before[s.ahead], before[s.behind]))
     if not swaps:
         return "\n".join(lines + ["", "No pair swaps order."])
     lines += ["", f"| ahead at L_train={n0} | behind at L_train={n0} | second − first at L={short.longest} "
