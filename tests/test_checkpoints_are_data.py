@@ -7,6 +7,7 @@ scalars among its metrics) loads and scores as the checkpoint it was made from."
 import argparse
 import builtins
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -14,7 +15,9 @@ import torch
 from fairseq import options
 
 from conftest import BIN, REPO, TRAIN_FLAGS, run, stock_eval_lm
+from kerple_fairseq.analysis import cli as analysis_cli
 from kerple_fairseq.errors import UsageError
+from kerple_fairseq.evaluation import cli as evaluation_cli
 from kerple_fairseq.evaluation.checkpoint_file import data_only_environment, read_checkpoint
 from kerple_fairseq.evaluation.loading import load_language_model
 
@@ -81,34 +84,51 @@ def payload_checkpoints(trained, tmp_path):
 
 
 def plugin_commands(data_bin, path, out):
-    """Every plugin command that reads a checkpoint."""
-    analyze = [BIN / "kerple-analyze"]
+    """Every plugin command that reads a checkpoint: its console script and its arguments."""
     return {
-        "kerple-eval-lm": [BIN / "kerple-eval-lm", data_bin, "--path", path, "--cpu", "--no-progress-bar"],
-        "kerple-analyze kernels": [*analyze, "kernels", "--path", path, "--out", out],
-        "kerple-analyze effective-length": [*analyze, "effective-length", "--path", path, "--out", out],
-        "kerple-analyze position-wise": [*analyze, "position-wise", data_bin, "--path", path, "--length", "64",
-                                         "--cpu", "--out", out],
-        "kerple-analyze receptive-field": [*analyze, "receptive-field", data_bin, "--path", path, "--length", "64",
-                                           "--cpu", "--out", out],
+        "kerple-eval-lm": ["kerple-eval-lm", data_bin, "--path", path, "--cpu", "--no-progress-bar"],
+        "kerple-analyze kernels": ["kerple-analyze", "kernels", "--path", path, "--out", out],
+        "kerple-analyze effective-length": ["kerple-analyze", "effective-length", "--path", path, "--out", out],
+        "kerple-analyze position-wise": ["kerple-analyze", "position-wise", data_bin, "--path", path, "--length",
+                                         "64", "--cpu", "--out", out],
+        "kerple-analyze receptive-field": ["kerple-analyze", "receptive-field", data_bin, "--path", path, "--length",
+                                           "64", "--cpu", "--out", out],
     }
 
 
+ENTRY_POINTS = {"kerple-eval-lm": evaluation_cli.cli_main, "kerple-analyze": analysis_cli.cli_main}
+
+
+def assert_refused(name, path, marker, returncode, stderr):
+    lines = stderr.strip().splitlines()
+    assert not marker.exists(), (name, path)
+    assert returncode == 1 and "Traceback" not in stderr, (name, path, stderr[-3000:])
+    prog = name.split()[0]
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: refused to read checkpoint {path}: it "
+                                                   "asks for the Python object "), (name, lines)
+
+
 @pytest.mark.slow  # starts the commands
-def test_no_plugin_command_runs_a_checkpoints_code(payload_checkpoints, data_bin, tmp_path):
+def test_no_plugin_command_runs_a_checkpoints_code(payload_checkpoints, data_bin, tmp_path, capfd, monkeypatch):
+    """Each command's console script, as a process, on one of the checkpoints (a different place for each
+    command); then every command on every checkpoint through the function its console script calls, its
+    exit status and everything written to file descriptor 2 taken as the process's would be."""
     paths, marker = payload_checkpoints
+    before = [path.read_bytes() for path in paths]
+    out = tmp_path / "analysis"
+    for i, name in enumerate(plugin_commands(data_bin, paths[0], out)):
+        path = paths[(3 * i + 1) % len(paths)]
+        cmd = plugin_commands(data_bin, path, out)[name]
+        proc = run([BIN / cmd[0], *cmd[1:]], check=False)
+        assert_refused(name, path, marker, proc.returncode, proc.stderr)
     for path in paths:
-        before = path.read_bytes()
-        for name, cmd in plugin_commands(data_bin, path, tmp_path / "analysis").items():
-            proc = run(cmd, check=False)
-            lines = proc.stderr.strip().splitlines()
-            assert not marker.exists(), (name, path)
-            assert proc.returncode == 1 and "Traceback" not in proc.stderr, (name, path, proc.stderr[-3000:])
-            prog = name.split()[0]
-            assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: refused to read checkpoint {path}: it "
-                                                           "asks for the Python object "), (name, lines)
-        assert path.read_bytes() == before
-    assert not (tmp_path / "analysis").exists()
+        for name, cmd in plugin_commands(data_bin, path, out).items():
+            monkeypatch.setattr(sys, "argv", [str(BIN / cmd[0])])
+            with pytest.raises(SystemExit) as exited:
+                ENTRY_POINTS[cmd[0]]([str(a) for a in cmd[1:]])
+            assert_refused(name, path, marker, exited.value.code, capfd.readouterr().err)
+    assert [path.read_bytes() for path in paths] == before
+    assert not out.exists()
 
 
 def test_the_library_refuses_before_building_anything(payload_checkpoints, data_bin, monkeypatch):
