@@ -1,8 +1,9 @@
-"""scripts/small_comparison.py end to end at a tiny size: two models, two seeds each, trained,
-evaluated, tabulated, ranked and analysed, every number of the leaderboard and the analyses traced
-back to the evaluations; a run killed after its first model goes on where it stopped and ends with
-the same leaderboard, and a changed option redoes only what it changes; the runs carried into
-another checkout with only the files git keeps of them are ranked again without training."""
+"""scripts/small_comparison.py end to end at a tiny size, on the head of the WikiText-103 sample: two
+models, two seeds each, trained, evaluated, tabulated, ranked and analysed, every number of the
+leaderboard and the analyses traced back to the evaluations; a run killed after its first model goes
+on where it stopped and ends with the same leaderboard, and a changed option redoes only what it
+changes; the runs carried into another checkout with only the files git keeps of them are ranked
+again without training."""
 
 import csv
 import json
@@ -25,9 +26,9 @@ LENGTHS = (16, 32)
 SCRIPT = REPO / "scripts" / "small_comparison.py"
 
 
-def tiny_comparison(sample_dir, out, *options, train_length=16, eval_lengths=LENGTHS):
+def tiny_comparison(wikitext, out, *options, train_length=16, eval_lengths=LENGTHS):
     """The comparison at a tiny size; without ``eval_lengths``, at its default lengths (1x to 32x)."""
-    return [sys.executable, SCRIPT, "--wikitext-dir", sample_dir, "--data-bin", out / "data-bin", "--out", out / "runs",
+    return [sys.executable, SCRIPT, "--wikitext-dir", wikitext, "--data-bin", out / "data-bin", "--out", out / "runs",
             "--vocab-size", "300", "--models", "nope", "alibi", "--seeds", "3", "4", "--train-length", str(train_length),
             *(["--eval-lengths", *map(str, eval_lengths)] if eval_lengths else []), "--num-targets", "8",
             "--num-segments", "2", "--updates", "3", "--max-tokens", "256", "--layers", "1", "--width", "16",
@@ -35,9 +36,9 @@ def tiny_comparison(sample_dir, out, *options, train_length=16, eval_lengths=LEN
 
 
 @pytest.fixture(scope="module")
-def comparison(sample_dir, tmp_path_factory):
+def comparison(wikitext_head, tmp_path_factory):
     out = tmp_path_factory.mktemp("small-comparison")
-    proc = run(tiny_comparison(sample_dir, out))
+    proc = run(tiny_comparison(wikitext_head, out))
     return out / "runs", proc
 
 
@@ -114,8 +115,8 @@ def modified(runs):
 
 
 @pytest.mark.slow
-def test_a_killed_comparison_goes_on_where_it_stopped(comparison, sample_dir, tmp_path):
-    cmd = tiny_comparison(sample_dir, tmp_path, "--analyses")
+def test_a_killed_comparison_goes_on_where_it_stopped(comparison, wikitext_head, tmp_path):
+    cmd = tiny_comparison(wikitext_head, tmp_path, "--analyses")
     first = tmp_path / "runs" / "nope-seed3" / "evaluated.json"
     proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -141,12 +142,12 @@ def test_a_killed_comparison_goes_on_where_it_stopped(comparison, sample_dir, tm
     finished = modified(runs)
     again = run(cmd)  # nothing left to do
     assert "training" not in again.stdout and "evaluating" not in again.stdout and modified(runs) == finished
-    fewer_targets = run(tiny_comparison(sample_dir, tmp_path, "--analyses", "--num-targets", "6"))
+    fewer_targets = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--num-targets", "6"))
     assert "training" not in fewer_targets.stdout and fewer_targets.stdout.count("evaluating ") == 4
     for kept in runs.glob("*-seed*/span-losses.npz"):  # written again with the evaluation
         assert {n: s.count.size for (p, n), s in span_losses.load(str(kept)).items() if p == "last-token"} == {
             n: 6 for n in LENGTHS}
-    more_updates = run(tiny_comparison(sample_dir, tmp_path, "--analyses", "--updates", "4"))
+    more_updates = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--updates", "4"))
     assert more_updates.stdout.count("training ") == 4
     assert json.loads((runs / "alibi-seed4" / "trained.json").read_text())["key"]["fairseq-train"][-1] == "4"
 
@@ -161,7 +162,7 @@ def trainings(proc):
 
 @pytest.mark.slow
 def test_a_second_training_length_under_a_budget_resumes_adds_seeds_and_is_seen_with_the_first(
-        comparison, sample_dir, tmp_path):
+        comparison, wikitext_head, tmp_path):
     """The comparison at another --train-length, its lengths by default 1x to 32x, with --other-length the
     first one and a budget too small for every seed: killed after its first run, it goes on where it stopped
     with every seed of the model kept (ALiBi) and the first of the other; the same command without the budget
@@ -169,7 +170,7 @@ def test_a_second_training_length_under_a_budget_resumes_adds_seeds_and_is_seen_
     first, _ = comparison
     budget = ("--other-length", first, "--budget-hours", "1e-6", "--every-seed-for", "alibi", "--every-seed-top", "0",
               "--analyses", "extrapolation")
-    cmd = tiny_comparison(sample_dir, tmp_path, *budget, train_length=8, eval_lengths=None)
+    cmd = tiny_comparison(wikitext_head, tmp_path, *budget, train_length=8, eval_lengths=None)
     runs = tmp_path / "runs"
     proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -212,7 +213,7 @@ def test_a_second_training_length_under_a_budget_resumes_adds_seeds_and_is_seen_
     assert (runs / "both-lengths.png").stat().st_size > 0
     assert "# Two training lengths: 2 position encodings" in (runs / "both-lengths.md").read_text()
 
-    more = run(tiny_comparison(sample_dir, tmp_path, "--other-length", first, "--analyses", "extrapolation",
+    more = run(tiny_comparison(wikitext_head, tmp_path, "--other-length", first, "--analyses", "extrapolation",
                                train_length=8, eval_lengths=None))
     assert trainings(more) == ["training nope (--arch transformer_lm_kerple --bias-kernel none), seed 4, 3 updates"]
     assert "over --budget-hours" not in more.stdout
@@ -233,7 +234,7 @@ def test_git_keeps_what_stands_for_a_run_and_nothing_heavier():
 
 
 @pytest.mark.slow
-def test_runs_carried_without_checkpoints_are_ranked_again_without_training(comparison, sample_dir, tmp_path):
+def test_runs_carried_without_checkpoints_are_ranked_again_without_training(comparison, wikitext_head, tmp_path):
     """What git keeps of a finished comparison, in a new checkout with its own data-bin: the same
     command trains and evaluates nothing and writes the same leaderboard; the analyses that read
     checkpoints or per-token files say so in one line; a changed evaluation option trains again."""
@@ -243,7 +244,7 @@ def test_runs_carried_without_checkpoints_are_ranked_again_without_training(comp
         (carried / record.parent.name).mkdir(parents=True)
         for name in KEPT:
             shutil.copyfile(record.parent / name, carried / record.parent.name / name)
-    again = run(tiny_comparison(sample_dir, tmp_path, "--analyses", "extrapolation"))
+    again = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "extrapolation"))
     assert "training" not in again.stdout and "evaluating" not in again.stdout
     assert again.stdout.count("is kept without its checkpoint, trained and evaluated so") == 4
     assert (carried / "leaderboard.csv").read_text() == (finished / "leaderboard.csv").read_text()
@@ -251,19 +252,19 @@ def test_runs_carried_without_checkpoints_are_ranked_again_without_training(comp
     assert (carried / "analysis" / "extrapolation.csv").read_text() == (
         finished / "analysis" / "extrapolation.csv").read_text()
 
-    needs_checkpoints = run(tiny_comparison(sample_dir, tmp_path, "--analyses", "kernels"), check=False)
+    needs_checkpoints = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "kernels"), check=False)
     assert needs_checkpoints.returncode == 2 and len(needs_checkpoints.stderr.strip().splitlines()) == 1
     assert re.fullmatch(r"small_comparison: error: kerple-analyze kernels reads \S+checkpoint_last.pt \(and 1 more\), "
                         r"absent: a run kept without its checkpoint .*", needs_checkpoints.stderr.strip())
-    fewer_targets = run(tiny_comparison(sample_dir, tmp_path, "--analyses", "--num-targets", "6"))
+    fewer_targets = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--num-targets", "6"))
     assert fewer_targets.stdout.count("training ") == 4 and fewer_targets.stdout.count("evaluating ") == 4
 
 
 @pytest.mark.slow
-def test_models_trained_alike_share_one_checkpoint_across_invocations(sample_dir, tmp_path):
+def test_models_trained_alike_share_one_checkpoint_across_invocations(wikitext_head, tmp_path):
     """rotary_rerope is rotary evaluated with ReRoPE: rotary, asked for later, is its checkpoint's copy."""
     def comparison(*models):
-        return run([sys.executable, SCRIPT, "--wikitext-dir", sample_dir, "--data-bin", tmp_path / "data-bin",
+        return run([sys.executable, SCRIPT, "--wikitext-dir", wikitext_head, "--data-bin", tmp_path / "data-bin",
                     "--out", tmp_path / "runs", "--vocab-size", "300", "--models", *models, "--train-length", "16",
                     "--eval-lengths", "16", "32", "--num-targets", "8", "--updates", "3", "--max-tokens", "256",
                     "--layers", "1", "--width", "16", "--heads", "2", "--analyses"]).stdout
@@ -279,15 +280,15 @@ def test_models_trained_alike_share_one_checkpoint_across_invocations(sample_dir
 
 
 @pytest.mark.slow
-def test_models_all_stands_alone(sample_dir, tmp_path):
-    proc = run([sys.executable, SCRIPT, "--wikitext-dir", sample_dir, "--out", tmp_path, "--models", "all", "nope"],
+def test_models_all_stands_alone(wikitext_head, tmp_path):
+    proc = run([sys.executable, SCRIPT, "--wikitext-dir", wikitext_head, "--out", tmp_path, "--models", "all", "nope"],
                check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "small_comparison: error: --models all stands alone: it names every model"
 
 
 @pytest.mark.slow
-def test_a_wrong_other_length_or_budget_is_refused_before_any_run(comparison, sample_dir, tmp_path):
+def test_a_wrong_other_length_or_budget_is_refused_before_any_run(comparison, wikitext_head, tmp_path):
     first, _ = comparison
     cases = [(("--other-length", first), f"--other-length {first} must hold evaluated runs of these models trained at "
                                          "one length other than 16; it holds training lengths 16"),
@@ -299,6 +300,6 @@ def test_a_wrong_other_length_or_budget_is_refused_before_any_run(comparison, sa
              (("--train-length", "1"), "--train-length must be 2 or more: one token has no other position, and "
                                        "ReRoPE scales queries by log(i + 1) / log(training length)")]
     for options, message in cases:
-        proc = run(tiny_comparison(sample_dir, tmp_path, *options), check=False)
+        proc = run(tiny_comparison(wikitext_head, tmp_path, *options), check=False)
         assert proc.returncode == 2 and proc.stderr.strip() == f"small_comparison: error: {message}"
         assert not (tmp_path / "runs").exists()
