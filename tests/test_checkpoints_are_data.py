@@ -116,13 +116,14 @@ def test_no_plugin_command_runs_a_checkpoints_code(payload_checkpoints, data_bin
     paths, marker = payload_checkpoints
     before = [path.read_bytes() for path in paths]
     out = tmp_path / "analysis"
-    for i, name in enumerate(plugin_commands(data_bin, paths[0], out)):
+    commands = {path: plugin_commands(data_bin, path, out) for path in paths}
+    for i, name in enumerate(commands[paths[0]]):
         path = paths[(3 * i + 1) % len(paths)]
-        cmd = plugin_commands(data_bin, path, out)[name]
+        cmd = commands[path][name]
         proc = run([BIN / cmd[0], *cmd[1:]], check=False)
         assert_refused(name, path, marker, proc.returncode, proc.stderr)
     for path in paths:
-        for name, cmd in plugin_commands(data_bin, path, out).items():
+        for name, cmd in commands[path].items():
             monkeypatch.setattr(sys, "argv", [str(BIN / cmd[0])])
             with pytest.raises(SystemExit) as exited:
                 ENTRY_POINTS[cmd[0]]([str(a) for a in cmd[1:]])
