@@ -41,7 +41,8 @@ def parse_args(argv=None):
                    help="none, sinusoidal and any --bias-kernel name, which +METHOD may follow for a method over "
                    f"it ({', '.join('+' + m for m in ADDED_METHODS if m)}), e.g. alibi+dape, none+stick-breaking; "
                    "then optionally @BACKEND for "
-                   "--attention-backend BACKEND, e.g. alibi@flex, alibi@sdpa (default: %(default)s)")
+                   "--attention-backend BACKEND, e.g. alibi@flex, alibi@sdpa, and /OPTION=VALUE for a model option "
+                   "of its own, e.g. alibi+dape/cpu-attention-block-scores=0 (default: %(default)s)")
     p.add_argument("--baseline", default="none", help="the model the ratios divide by (added to --models if "
                    "missing; default: none)")
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048], help="sequence lengths timed")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import VOCAB, tiny_model
-from kerple_fairseq.attention.blocks import query_blocks
+from kerple_fairseq.attention.blocks import CPU_BLOCK_SCORES, MIN_CPU_BLOCK, effective_block_size, query_blocks
 from kerple_fairseq.attention.distance_bias import DistanceBias, toeplitz
 
 CASES = [
@@ -144,6 +144,45 @@ def test_block_size_must_not_be_negative():
 
     with pytest.raises(KernelConfigError, match="--attention-block-size must be >= 0"):
         tiny_model("alibi", "--attention-block-size", "-1")
+    with pytest.raises(KernelConfigError, match="--cpu-attention-block-scores must be >= 0"):
+        tiny_model("alibi", "--cpu-attention-block-scores", "-1")
+
+
+@pytest.mark.parametrize("block_size,window,per_query,max_scores,expected", [
+    (1024, 0, 4 * 8192, 1 << 20, 32), (1024, 0, 8 * 8192, 1 << 20, 16), (1024, 0, 64 * 8192, 1 << 20, MIN_CPU_BLOCK),
+    (1024, 0, 4 * 512, 1 << 20, 512), (1024, 0, 4 * 256, 1 << 20, 1024), (1024, 0, 4 * 8192, 0, 1024),
+    (0, 0, 4 * 8192, 1 << 20, 0), (256, 100, 4 * 8192, 1 << 20, 32), (256, 100, 0, 1 << 20, 100),
+    (8, 0, 4 * 8192, 1 << 20, 8)])
+def test_blocks_on_a_cpu_hold_at_most_the_scores_asked_for(block_size, window, per_query, max_scores, expected):
+    """On a CPU a block's queries times ``scores_per_query`` (batch x heads x keys) stay within
+    ``max_scores``, never below MIN_CPU_BLOCK queries nor above the block size (under its window's
+    limit); one block (size 0) stays one block, and no limit (0) leaves the size as it is."""
+    assert effective_block_size(block_size, window, per_query, max_scores) == expected
+
+
+@pytest.mark.parametrize("flags,length,expected", [
+    (["--dape", "mlp"], 1024, [CPU_BLOCK_SCORES // (4 * 1024)] * 4),  # the default, 4 heads
+    (["--dape", "mlp", "--cpu-attention-block-scores", "4000"], 100, [16] * 6 + [4]),
+    (["--dape", "mlp", "--cpu-attention-block-scores", "0"], 1024, [1024]),
+    (["--stick-breaking", "--cpu-attention-block-scores", "4000"], 100, [16] * 6 + [4]),
+    (["--cpu-attention-block-scores", "4000"], 100, [100]),  # no method on the scores
+    (["--cpu-attention-block-scores", "4000", "--attention-backend", "explicit"], 100, [100])])
+def test_on_a_cpu_blocks_whose_scores_a_method_works_on_are_cut(flags, length, expected):
+    """Blocks of 1024 queries on a CPU: where an attention method works on their scores (DAPE's score
+    transform, stick-breaking's weights), cut to at most --cpu-attention-block-scores scores (batch x
+    heads x queries x keys, at least MIN_CPU_BLOCK queries); 0, or no such method, keeps them whole."""
+    model = tiny_model("alibi", "--attention-block-size", "1024", *flags).eval()
+    attended = []
+    original = DistanceBias.for_block
+    DistanceBias.for_block = lambda self, block, *a, **k: attended.append(block) or original(self, block, *a, **k)
+    try:
+        with torch.no_grad():
+            model(torch.randint(4, VOCAB + 4, (1, length)))
+    finally:
+        DistanceBias.for_block = original
+    layers = len(model.decoder.layers)
+    assert [b.num_queries for b in attended] == expected * layers and MIN_CPU_BLOCK == 16
+
 
 
 @pytest.mark.parametrize("query_len,key_len,offset", [(1, 1, 0), (1, 300, 299), (70, 70, 0), (130, 200, 70),

@@ -83,6 +83,25 @@ def test_model_at_backend_names_its_attention_backend():
         model_flags("none@flex", args)
 
 
+def test_model_options_of_its_own_time_a_model_against_itself_changed():
+    """``/OPTION=VALUE`` after a model's name: that model alone built with ``--OPTION VALUE``."""
+    from kerple_fairseq.experiments.benchmark import build, model_flags
+
+    args = tiny_args()
+    flags = model_flags("alibi+dape@explicit/cpu-attention-block-scores=0/attention-block-size=64", args)
+    assert flags[3:12] == ["alibi", "--dape", "mlp", "--attention-backend", "explicit", "--cpu-attention-block-scores",
+                           "0", "--attention-block-size", "64"]
+    assert "--cpu-attention-block-scores" not in model_flags("alibi+dape@explicit", args)
+    import torch
+
+    setup = build("alibi/cpu-attention-block-scores=4096", args, torch.device("cpu")).decoder.setup
+    assert setup.cpu_block_scores == 4096
+    with pytest.raises(ValueError, match="must be /OPTION=VALUE"):
+        model_flags("alibi/cpu-attention-block-scores", args)
+    with pytest.raises(ValueError, match="stock fairseq"):
+        model_flags("sinusoidal/dropout=0", args)
+
+
 def test_wiki103_models_are_alibis_wikitext_103_architectures():
     from kerple_fairseq.experiments.benchmark import model_flags
 

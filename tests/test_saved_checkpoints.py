@@ -151,3 +151,13 @@ def test_an_override_of_an_option_added_since_is_honoured():
     assert saved["tokens"].size(1) > train_length + 1
     torch.testing.assert_close(log_probs[:, :train_length], unscaled[:, :train_length], **TOLERANCE)
     assert (log_probs[:, train_length + 1:] - unscaled[:, train_length + 1:]).abs().max() > 1e-3
+
+
+def test_a_checkpoint_saved_before_the_cpu_block_option_takes_its_default():
+    """``--cpu-attention-block-scores`` is newer than the saved checkpoints: their configuration lacks it
+    and the loaded model cuts blocks on a CPU as a new one does."""
+    from kerple_fairseq.attention.blocks import CPU_BLOCK_SCORES
+
+    saved = torch.load(SAVED / "dape_alibi.pt", map_location="cpu", weights_only=True)["cfg"]["model"]
+    assert "cpu_attention_block_scores" not in saved and saved["attention_block_size"] == 1024
+    assert model_of("dape_alibi", None).decoder.setup.cpu_block_scores == CPU_BLOCK_SCORES

@@ -17,6 +17,12 @@ from torch import Tensor
 #: smallest block of queries under an attention window: smaller blocks cost more in
 #: per-block overhead than the keys they skip save
 MIN_WINDOW_BLOCK = 64
+#: on a CPU, the most scores (batch x heads x queries x keys) one block holds by default where an
+#: attention method works on them (``--cpu-attention-block-scores``): a block's tensors then stay in the
+#: caches and in memory the allocator reuses (docs/performance.md, "Blocks on a CPU")
+CPU_BLOCK_SCORES = 1 << 20
+#: the fewest queries a block is cut to for ``CPU_BLOCK_SCORES``
+MIN_CPU_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -47,11 +53,17 @@ def diagonal(block: QueryBlock, device) -> Tensor:
     return keys == block.offset + queries
 
 
-def effective_block_size(block_size: int, attention_window: int) -> int:
+def effective_block_size(block_size: int, attention_window: int, scores_per_query: int = 0,
+                         max_scores: int = 0) -> int:
     """Queries per block (0: one block): ``block_size``, or under a window of ``w`` keys at most
-    ``max(w, MIN_WINDOW_BLOCK)``, so that the keys outside the window are skipped."""
+    ``max(w, MIN_WINDOW_BLOCK)``, so that the keys outside the window are skipped; with
+    ``max_scores``, at most ``max_scores // scores_per_query`` (but ``MIN_CPU_BLOCK``), so that a
+    block's ``[batch, heads, queries, keys]`` holds about ``max_scores`` scores at most
+    (``scores_per_query``: batch x heads x keys)."""
     if block_size > 0 and attention_window > 0:
-        return min(block_size, max(attention_window, MIN_WINDOW_BLOCK))
+        block_size = min(block_size, max(attention_window, MIN_WINDOW_BLOCK))
+    if block_size > 0 and max_scores > 0 and scores_per_query > 0:
+        block_size = min(block_size, max(MIN_CPU_BLOCK, max_scores // scores_per_query))
     return block_size
 
 

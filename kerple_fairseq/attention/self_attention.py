@@ -22,7 +22,9 @@ class AttentionSetup:
     modules in it (the bias's parameters are registered once, in the decoder); each layer keeps a
     reference.
 
-    ``block_size``: queries per block for long sequences (0: one block); ``backend``: the attention
+    ``block_size``: queries per block for long sequences (0: one block); on a CPU, blocks whose scores
+    an attention method works on are cut further to hold at most ``cpu_block_scores`` scores (0: not
+    cut); ``backend``: the attention
     backend asked for (:data:`~kerple_fairseq.attention.attend.BACKENDS`); ``cache_size``: incremental
     decoding keeps only this many most recent keys (0: all of them). ``layer_bias`` builds a layer's own
     bias (:class:`~kerple_fairseq.layer_biases.LayerBias`, added to ``bias``) and ``methods`` its
@@ -32,13 +34,17 @@ class AttentionSetup:
     bias: DistanceBias
     rotary: Optional[RotaryEmbedding] = None
     block_size: int = 0
+    cpu_block_scores: int = 0
     backend: str = "auto"
     cache_size: int = 0
     layer_bias: Optional[Callable[[], nn.Module]] = None
     methods: Sequence[Callable[[], AttentionMethod]] = ()
 
-    def block_size_now(self) -> int:
-        return effective_block_size(self.block_size, self.bias.attention_window)
+    def block_size_now(self, scores_per_query: int = 0) -> int:
+        """Queries per block: ``block_size`` under the attention window's limit and, given
+        ``scores_per_query`` (batch x heads x keys of explicit blocks on a CPU), ``cpu_block_scores``'s."""
+        return effective_block_size(self.block_size, self.bias.attention_window, scores_per_query,
+                                    self.cpu_block_scores)
 
     def keys_seen(self) -> int:
         """The most keys a query attends to (0: every key before it): the attention window or the cache's."""
@@ -185,17 +191,20 @@ class BiasedSelfAttention(MultiheadAttention):
         saved["positions_seen"] = positions_seen
         self._set_input_buffer(incremental_state, saved)
 
-    def _block_biases(self, num_queries: int, num_keys: int, whole_rows: bool, first_position: int,
+    def _block_biases(self, q: Tensor, num_keys: int, whole_rows: bool, first_position: int,
                       state: Optional[Tensor], recorded: bool) -> List[DistanceBlockBias]:
-        """The bias of each block of queries (:func:`query_blocks`); with ``whole_rows``, blocks against
+        """The bias of each block of the queries ``q`` (:func:`query_blocks`); with ``whole_rows``, blocks against
         every key up to their last query, split only where dynamic NTK's bands start. Query 0 is at
         absolute position ``first_position``; ``state`` is the layer bias's state of every key; ``recorded``:
         autograd records the attention. The query methods may scale each block's bias (scalable softmax on
         the whole logit)."""
         window = self.setup.bias.attention_window
         rotary = self.setup.rotary
+        num_queries = q.size(2)
         starts = rotary.band_starts(first_position, num_queries) if rotary is not None else []
-        blocks = query_blocks(num_queries, num_keys, 0 if whole_rows else self.setup.block_size_now(),
+        cut = q.device.type == "cpu" and self._scores_worked_on()
+        block_size = self.setup.block_size_now(q.size(0) * q.size(1) * num_keys if cut else 0)
+        blocks = query_blocks(num_queries, num_keys, 0 if whole_rows else block_size,
                               0 if whole_rows else window, starts)
         # every layer attends the same blocks: one block is laid out once for all; several, once for all
         # while autograd records (each layer's backward would keep its own copies), else per layer, one at a time
@@ -206,6 +215,12 @@ class BiasedSelfAttention(MultiheadAttention):
         for method in self.query_scales or ():
             biases = [method.scale_bias(bias, first_position, self.setup.keys_seen()) for bias in biases]
         return biases
+
+    def _scores_worked_on(self) -> bool:
+        """Whether an attention method works on every block's scores (a score transform, weights in place
+        of the softmax): several tensors of the block's size each, which a CPU computes faster in blocks
+        that fit its caches."""
+        return self.score_transform is not None or self.attention_weights is not None
 
     def _positioned(self, q: Tensor, k: Tensor, block, first_position: int):
         """A block's queries and keys (sliced from the call's) with what rotary does per block, xPos's
@@ -239,7 +254,7 @@ class BiasedSelfAttention(MultiheadAttention):
         record = self.record
         keep_logits = record is not None and record.keep_logits
         whole_rows = need_probabilities or keep_logits
-        biases = self._block_biases(q.size(2), num_keys, whole_rows, first_position, states.get("prev_bias_state"),
+        biases = self._block_biases(q, num_keys, whole_rows, first_position, states.get("prev_bias_state"),
                                     recorded=torch.is_grad_enabled() and q.requires_grad)
         dropout = self.dropout_module.p if self.training or self.dropout_module.apply_during_inference else 0.0
         method = self.score_transform

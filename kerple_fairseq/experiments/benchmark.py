@@ -44,17 +44,27 @@ def model_flags(name: str, args: argparse.Namespace, extra: Sequence[str] = ()) 
     """Stock ``transformer_lm`` for ``none`` and ``sinusoidal``, else the plugin with ``--bias-kernel KERNEL``
     for ``name`` = ``KERNEL`` or ``KERNEL+METHOD`` (:data:`ADDED_METHODS`: ``+dape`` is ``--dape mlp``,
     ``+cope`` ``--cope``, ``+stick-breaking`` ``--stick-breaking``, ...), each optionally followed by
-    ``@BACKEND`` (``--attention-backend BACKEND``), and the
-    ``--model-args`` (then ``extra``). With ``--wiki103``, ALiBi's WikiText-103 architectures
+    ``@BACKEND`` (``--attention-backend BACKEND``) and by ``/OPTION=VALUE`` model options of its own
+    (``alibi+dape/cpu-attention-block-scores=0``: ``--cpu-attention-block-scores 0``, so that one run times
+    a model against itself with an option changed), and the ``--model-args`` (then ``extra``). With ``--wiki103``, ALiBi's WikiText-103 architectures
     (``transformer_lm_wiki103``, ``transformer_lm_kerple_wiki103``) at their own size, else ``--layers``,
     ``--width`` and ``--heads``; every model long enough for every length measured."""
     size = [] if args.wiki103 else model_size_flags(args.layers, args.width, args.heads, dropout=0.1)
     positions = ["--max-target-positions", str(max(args.lengths + args.memory_lengths + [1024]))]
     wiki103 = "_wiki103" if args.wiki103 else ""
+    name, *options = name.split("/")
+    own = []
+    for option in options:
+        flag, equals, value = option.partition("=")
+        if not (flag and equals):
+            raise ValueError(f"model option /{option} must be /OPTION=VALUE, e.g. /cpu-attention-block-scores=0")
+        own += [f"--{flag}", value]
     name, _, backend = name.partition("@")
     if name in STOCK:
         if backend:
             raise ValueError(f"model {name!r} is stock fairseq: it has no --attention-backend (@{backend})")
+        if own:
+            raise ValueError(f"model {name!r} is stock fairseq: its options are fairseq's (--model-args), not /{options[0]}")
         return ["--arch", f"transformer_lm{wiki103}", *STOCK[name], *size, *positions]
     kernel, _, method = name.partition("+")
     if method not in ADDED_METHODS:
@@ -64,7 +74,7 @@ def model_flags(name: str, args: argparse.Namespace, extra: Sequence[str] = ()) 
         raise ValueError(f"unknown attention backend @{backend} in {name}@{backend}: choose one of "
                          f"{', '.join('@' + b for b in BACKENDS)}")
     return ["--arch", f"transformer_lm_kerple{wiki103}", "--bias-kernel", kernel, *ADDED_METHODS[method],
-            *(["--attention-backend", backend] if backend else []), *size, *args.model_args, *extra, *positions]
+            *(["--attention-backend", backend] if backend else []), *own, *size, *args.model_args, *extra, *positions]
 
 
 def vocabulary(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.models.transformer_lm import TransformerLanguageModelConfig
 
 from kerple_fairseq.attention.attend import BACKENDS
+from kerple_fairseq.attention.blocks import CPU_BLOCK_SCORES
 from kerple_fairseq.attention.methods import attention_method_option_fields
 from kerple_fairseq.models.position_methods import bias_names
 from kerple_fairseq.attention.rotary import DYNAMIC_NTK_STEP, REROPE_LEAK, REROPE_QUERY_SCALES, ROTARY_SCALINGS
@@ -73,6 +74,19 @@ def _make_config():
                     "time, so no L x L bias or score tensor exists (with --attn-window W, blocks of at most "
                     "max(W, 64) queries and only the keys inside the window); 0: always one L x L block. "
                     "Changes memory and speed, not the result"
+                },
+            ),
+        ),
+        (
+            "cpu_attention_block_scores",
+            int,
+            field(
+                default=CPU_BLOCK_SCORES,
+                metadata={
+                    "help": "on a CPU, blocks of queries whose scores an attention method works on (DAPE, CoPE, "
+                    "selective, PaTH, stick-breaking) are cut further to hold at most this many scores (batch x "
+                    "heads x queries x keys; at least 16 queries), which keeps them in the caches; 0: blocks "
+                    "of --attention-block-size queries, as on a GPU. Changes speed, not the result"
                 },
             ),
         ),

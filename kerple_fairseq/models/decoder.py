@@ -11,6 +11,7 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.utils import safe_getattr
 from torch import nn
 
+from kerple_fairseq.attention.blocks import CPU_BLOCK_SCORES
 from kerple_fairseq.attention.distance_bias import DistanceBias
 from kerple_fairseq.attention.methods import check_composition, chosen_methods
 from kerple_fairseq.attention.rotary import (DYNAMIC_NTK_STEP, RE_ROPE, REROPE_LEAK, XPOS_SCALE_BASE,
@@ -98,6 +99,10 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
     block_size = safe_getattr(args, "attention_block_size", DEFAULT_BLOCK_SIZE)
     if block_size < 0:
         raise KernelConfigError(f"--attention-block-size must be >= 0 (0: no blocks), got {block_size}")
+    cpu_block_scores = safe_getattr(args, "cpu_attention_block_scores", CPU_BLOCK_SCORES)
+    if cpu_block_scores < 0:
+        raise KernelConfigError(f"--cpu-attention-block-scores must be >= 0 (0: blocks of --attention-block-size "
+                                f"queries), got {cpu_block_scores}")
     cache_size = safe_getattr(args, "max_cache_window", 0)
     if cache_size < 0:
         raise KernelConfigError(f"--max-cache-window must be >= 0 (0: keep every key), got {cache_size}")
@@ -115,6 +120,7 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
                                fraction=safe_getattr(args, "rotary_fraction", 1.0))
         if rotary else None,
         block_size=block_size,
+        cpu_block_scores=cpu_block_scores,
         backend=attention_backend(args),
         cache_size=cache_size,
         layer_bias=layer_bias,
