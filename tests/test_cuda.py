@@ -221,3 +221,18 @@ def test_each_masked_sdpa_backend(name, dtype, sdpa_backend, monkeypatch):
     where = {row: (tokens == row).nonzero().tolist() for row in rows}
     assert not off, (f"{sdpa_backend}: off (error / tolerance): " + ", ".join(f"{n} {errors[n]:.3g}" for n in off)
                      + f"; embedding rows off {rows} at (sequence, position) {where}")
+
+
+def test_blocks_of_a_method_on_the_scores_are_not_cut_on_cuda(monkeypatch):
+    """--cpu-attention-block-scores is a CPU's: on CUDA, DAPE's blocks keep --attention-block-size queries."""
+    from kerple_fairseq.attention.distance_bias import DistanceBias
+
+    model = encoding_model(ENCODINGS["dape_alibi"], *HEADS_OF_16, "--attention-block-size", "64",
+                           "--cpu-attention-block-scores", "4000").to(CUDA).eval()
+    attended = []
+    original = DistanceBias.for_block
+    monkeypatch.setattr(DistanceBias, "for_block",
+                        lambda self, block, *a, **k: attended.append(block.num_queries) or original(self, block, *a, **k))
+    with torch.no_grad():
+        model(random_tokens(1, 100).to(CUDA))
+    assert attended == [64, 36] * len(model.decoder.layers)
