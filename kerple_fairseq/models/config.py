@@ -86,7 +86,10 @@ def _make_config():
                     "help": "on a CPU, blocks of queries whose scores an attention method works on (DAPE, CoPE, "
                     "selective, PaTH, stick-breaking) are cut further to hold at most this many scores (batch x "
                     "heads x queries x keys; at least 16 queries), which keeps them in the caches; 0: blocks "
-                    "of --attention-block-size queries, as on a GPU. Changes speed, not the result"
+                    "of --attention-block-size queries, as on a GPU. Changes speed, not the result",
+                    # the same speed-up for a checkpoint saved before the option, which gets the key so that
+                    # --model-overrides reach it
+                    SAVED_BEFORE: CPU_BLOCK_SCORES,
                 },
             ),
         ),
