@@ -287,7 +287,7 @@ def test_what_flex_attention_is_given_is_made_on_the_device_without_host_reads(f
         state = None if attention.layer_bias is None else attention.layer_bias.key_state(x, None)
         padding = torch.zeros(BATCH, LENGTH, dtype=torch.bool, device=DEVICE)
         with model.decoder.attention_bias.forward_scope():
-            for bias in attention._block_biases(LENGTH, LENGTH, False, 0, state, recorded=True):
+            for bias in attention._block_biases(q, LENGTH, False, 0, state, recorded=True):
                 block = bias.block
                 mask = bias.block_mask(DEVICE, padding[:, block.key_start:block.key_end])
                 score_mod = flex.masked(bias.score_mod(q.dtype, DEVICE), mask.visible)
