@@ -57,6 +57,14 @@ def attention_setups(args) -> List[AttentionSetup]:
     return [setups[entry] for entry in plan]
 
 
+def _non_negative(args, name: str, default: int, zero_means: str) -> int:
+    """The integer option ``name`` (``--name`` with dashes) or ``default``, refused below 0 with what 0 means."""
+    value = safe_getattr(args, name, default)
+    if value < 0:
+        raise KernelConfigError(f"--{name.replace('_', '-')} must be >= 0 (0: {zero_means}), got {value}")
+    return value
+
+
 def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optional[Dict[str, BiasKernel]] = None
                     ) -> AttentionSetup:
     """A layer's bias, rotary embedding and attention options, and the builders of its own bias and
@@ -96,16 +104,10 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
     builders = [partial(method.build, heads, head_dim, args) for method in methods]
     for build in builders:
         build()  # options are checked once, before any layer is built
-    block_size = safe_getattr(args, "attention_block_size", DEFAULT_BLOCK_SIZE)
-    if block_size < 0:
-        raise KernelConfigError(f"--attention-block-size must be >= 0 (0: no blocks), got {block_size}")
-    cpu_block_scores = safe_getattr(args, "cpu_attention_block_scores", CPU_BLOCK_SCORES)
-    if cpu_block_scores < 0:
-        raise KernelConfigError(f"--cpu-attention-block-scores must be >= 0 (0: blocks of --attention-block-size "
-                                f"queries), got {cpu_block_scores}")
-    cache_size = safe_getattr(args, "max_cache_window", 0)
-    if cache_size < 0:
-        raise KernelConfigError(f"--max-cache-window must be >= 0 (0: keep every key), got {cache_size}")
+    block_size = _non_negative(args, "attention_block_size", DEFAULT_BLOCK_SIZE, "no blocks")
+    cpu_block_scores = _non_negative(args, "cpu_attention_block_scores", CPU_BLOCK_SCORES,
+                                     "blocks of --attention-block-size queries")
+    cache_size = _non_negative(args, "max_cache_window", 0, "keep every key")
     return AttentionSetup(
         bias=DistanceBias(kernel, attention_window=window),
         rotary=RotaryEmbedding(head_dim, xpos=safe_getattr(args, "rotary_xpos", False),
