@@ -27,6 +27,7 @@ from kerple_fairseq.models.transformer_lm_kerple import task_hint
 from kerple_fairseq.training.adaptive_loss import install_float32_adaptive_loss
 from kerple_fairseq.training.distributed import install_distributed, lost_peer_report
 from kerple_fairseq.training.resume import install_resume
+from kerple_fairseq.training.sample_length import install_sample_length_check
 from kerple_fairseq.training.save_dir import install_save_dir_made_on_save
 
 #: fairseq's modules that name ``np.compat`` (fairseq 0.12.2 and fairseq-fixed 0.12.3.1)
@@ -134,6 +135,10 @@ CHANGES = (
     Change(report_hydra_jobs_in_one_line,
            "Hydra catches a job's errors and prints them with its traceback, so fairseq-hydra-train never reached "
            "the one-line reports: a failed job whose error has one ends in that line"),
+    Change(install_sample_length_check,
+           "fairseq takes any --tokens-per-sample: 0 or less ended fairseq-train, fairseq-hydra-train and "
+           "fairseq-eval-lm in a traceback from TokenBlockDataset that names no option; the language_modeling task "
+           "refuses it in one line when it is set up, before any data is read"),
     Change(install_save_dir_made_on_save,
            "fairseq-train makes --save-dir before it reads the data, so a refused run left an empty folder "
            "behind: the folder is made when the first checkpoint is saved"),

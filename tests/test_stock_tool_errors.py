@@ -1,6 +1,7 @@
 """Bad input through fairseq's own commands, the plugin loaded with ``--user-dir kerple_fairseq``: a
 folder that is not a data-bin, a split it lacks, a checkpoint that does not exist, is truncated, asks
-for code, or was trained on another dictionary, an option a command checks with ``assert``. Each ends
+for code, or was trained on another dictionary, an option a command checks with ``assert``, a sample
+length below one token. Each ends
 in one ``kerple_fairseq: error:`` line and a non-zero exit, with no traceback, no ``--save-dir`` left
 behind, and the files given left as they were. The hub interface loads a plugin checkpoint without
 ``import kerple_fairseq`` when told the plugin's folder (fairseq's ``user_dir=``)."""
@@ -82,10 +83,19 @@ CASES = {
     "train: no --max-tokens or --batch-size": (lambda t, d, s, c: train_without_a_batch_size(d, s),
                                                "Must specify batch size either with --max-tokens or --batch-size",
                                                None),
+    "train: --tokens-per-sample 0": (lambda t, d, s, c: train(d, s, "--tokens-per-sample", "0"),
+                                     "--tokens-per-sample must be >= 1", None),
+    "train: --tokens-per-sample -3 --sample-break-mode eos": (
+        lambda t, d, s, c: train(d, s, "--tokens-per-sample", "-3", "--sample-break-mode", "eos"),
+        "--tokens-per-sample must be >= 1", None),
+    "hydra-train: task.tokens_per_sample=0": (lambda t, d, s, c: hydra_train(d, s, t) + ["task.tokens_per_sample=0"],
+                                              "--tokens-per-sample must be >= 1", None),
     "hydra-train: no such data-bin": (lambda t, d, s, c: hydra_train(t / "no-such-dir", s, t),
                                       "is not a fairseq data-bin", None),
     "eval-lm: no such data-bin": (lambda t, d, s, c: eval_lm(t / "no-such-dir", CHECKPOINT),
                                   "is not a fairseq data-bin", None),
+    "eval-lm: --tokens-per-sample 0": (lambda t, d, s, c: eval_lm(d, CHECKPOINT, "--tokens-per-sample", "0"),
+                                       "--tokens-per-sample must be >= 1", None),
     "eval-lm: no such checkpoint": (lambda t, d, s, c: eval_lm(d, t / "nope.pt"), "does not exist", None),
     "eval-lm: truncated checkpoint": (lambda t, d, s, c: eval_lm(d, c), "damaged or truncated", truncated),
     "eval-lm: checkpoint asking for code": (lambda t, d, s, c: eval_lm(d, c), "refused to read checkpoint",
