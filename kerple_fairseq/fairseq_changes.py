@@ -27,7 +27,7 @@ from kerple_fairseq.models.transformer_lm_kerple import task_hint
 from kerple_fairseq.training.adaptive_loss import install_float32_adaptive_loss
 from kerple_fairseq.training.distributed import install_distributed, lost_peer_report
 from kerple_fairseq.training.resume import install_resume
-from kerple_fairseq.training.sample_length import install_sample_length_check
+from kerple_fairseq.training.sizes import install_size_checks, no_batches_report
 from kerple_fairseq.training.save_dir import install_save_dir_made_on_save
 
 #: fairseq's modules that name ``np.compat`` (fairseq 0.12.2 and fairseq-fixed 0.12.3.1)
@@ -93,6 +93,10 @@ def report_failed_option_checks_in_one_line() -> None:
     register_one_line_report(fairseq_option_check_report)
 
 
+def report_empty_batches_in_one_line() -> None:
+    register_one_line_report(no_batches_report)
+
+
 def hint_the_missing_task() -> None:
     register_usage_hint(task_hint)
 
@@ -135,10 +139,14 @@ CHANGES = (
     Change(report_hydra_jobs_in_one_line,
            "Hydra catches a job's errors and prints them with its traceback, so fairseq-hydra-train never reached "
            "the one-line reports: a failed job whose error has one ends in that line"),
-    Change(install_sample_length_check,
-           "fairseq takes any --tokens-per-sample: 0 or less ended fairseq-train, fairseq-hydra-train and "
-           "fairseq-eval-lm in a traceback from TokenBlockDataset that names no option; the language_modeling task "
-           "refuses it in one line when it is set up, before any data is read"),
+    Change(install_size_checks,
+           "fairseq takes any --tokens-per-sample and --max-tokens: below 1, or a --max-tokens below every "
+           "sample's length, they ended fairseq-train, fairseq-hydra-train and fairseq-eval-lm in tracebacks from "
+           "TokenBlockDataset and batch_by_size that name no option; each is refused in one line before any data is "
+           "read (the sample length) or batched (the batch's)"),
+    Change(report_empty_batches_in_one_line,
+           "a --max-tokens that skips all but a few short samples leaves no batch, and fairseq's 'The dataset is "
+           "empty' came under a traceback: one line says which options to change"),
     Change(install_save_dir_made_on_save,
            "fairseq-train makes --save-dir before it reads the data, so a refused run left an empty folder "
            "behind: the folder is made when the first checkpoint is saved"),

@@ -1,7 +1,7 @@
 """Bad input through fairseq's own commands, the plugin loaded with ``--user-dir kerple_fairseq``: a
 folder that is not a data-bin, a split it lacks, a checkpoint that does not exist, is truncated, asks
 for code, or was trained on another dictionary, an option a command checks with ``assert``, a sample
-length below one token. Each ends
+or batch below one token, a batch smaller than every sample, or than all but a few. Each ends
 in one ``kerple_fairseq: error:`` line and a non-zero exit, with no traceback, no ``--save-dir`` left
 behind, and the files given left as they were. The hub interface loads a plugin checkpoint without
 ``import kerple_fairseq`` when told the plugin's folder (fairseq's ``user_dir=``)."""
@@ -88,6 +88,11 @@ CASES = {
     "train: --tokens-per-sample -3 --sample-break-mode eos": (
         lambda t, d, s, c: train(d, s, "--tokens-per-sample", "-3", "--sample-break-mode", "eos"),
         "--tokens-per-sample must be >= 1", None),
+    "train: --max-tokens 0": (lambda t, d, s, c: train(d, s, "--max-tokens", "0"), "--max-tokens (and", None),
+    "train: --max-tokens below --tokens-per-sample": (lambda t, d, s, c: train(d, s, "--max-tokens", "7"),
+                                                      "is below the shortest sample (", None),
+    "train: --max-tokens that leaves no batch": (lambda t, d, s, c: train(d, s, "--max-tokens", "50"),
+                                                 "no batch could be made", None),
     "hydra-train: task.tokens_per_sample=0": (lambda t, d, s, c: hydra_train(d, s, t) + ["task.tokens_per_sample=0"],
                                               "--tokens-per-sample must be >= 1", None),
     "hydra-train: no such data-bin": (lambda t, d, s, c: hydra_train(t / "no-such-dir", s, t),
