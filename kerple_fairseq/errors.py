@@ -60,10 +60,15 @@ def fairseq_option_check_report(error: BaseException) -> Optional[str]:
     fairseq-generate without ``--path``), or None for any other error."""
     if not isinstance(error, AssertionError) or not str(error).strip():
         return None
-    frames = traceback.extract_tb(error.__traceback__)
-    if frames and f"{os.sep}fairseq_cli{os.sep}" in frames[-1].filename:
+    if f"{os.sep}fairseq_cli{os.sep}" in raising_file(error):
         return first_line(error)
     return None
+
+
+def raising_file(error: BaseException) -> str:
+    """The path of the file whose code raised ``error`` (the last frame of its traceback), or "" without one."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return frames[-1].filename if frames else ""
 
 
 def register_one_line_report(recognise: Callable[[BaseException], Optional[str]]) -> None:

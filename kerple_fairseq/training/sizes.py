@@ -11,14 +11,13 @@ all but a few short samples) is reported in one line that names the options.
 """
 
 import os
-import traceback
 from typing import Optional
 
 import numpy
 from fairseq.tasks.fairseq_task import FairseqTask
 from fairseq.tasks.language_modeling import LanguageModelingTask
 
-from kerple_fairseq.errors import UsageError
+from kerple_fairseq.errors import UsageError, raising_file
 
 #: the start of fairseq's message when a split gave no batch (``fairseq/data/iterators.py``)
 NO_BATCHES = "The dataset is empty"
@@ -50,8 +49,7 @@ def no_batches_report(error: BaseException) -> Optional[str]:
     ``--required-batch-size-multiple``, which can leave none."""
     if type(error) is not Exception or not str(error).startswith(NO_BATCHES):
         return None
-    frames = traceback.extract_tb(error.__traceback__)
-    if not frames or not frames[-1].filename.endswith(os.path.join("fairseq", "data", "iterators.py")):
+    if not raising_file(error).endswith(os.path.join("fairseq", "data", "iterators.py")):
         return None
     return ("no batch could be made: fairseq skips every sample longer than --max-tokens (and a last batch short of "
             "--required-batch-size-multiple), which left none; give --max-tokens at least --tokens-per-sample")
