@@ -25,6 +25,7 @@ from kerple_fairseq.evaluation.checkpoint_file import (allow_checkpoint_globals,
 from kerple_fairseq.evaluation.loading import missing_data_report
 from kerple_fairseq.models.transformer_lm_kerple import task_hint
 from kerple_fairseq.training.adaptive_loss import install_float32_adaptive_loss
+from kerple_fairseq.training.batch_prefetch import install_prefetch_stopped_at_exit
 from kerple_fairseq.training.distributed import install_distributed, lost_peer_report
 from kerple_fairseq.training.resume import install_resume
 from kerple_fairseq.training.sizes import install_size_checks, no_batches_report
@@ -166,6 +167,11 @@ CHANGES = (
            "fairseq 0.12 left a truncated checkpoint_last.pt when killed during its copy, could not send the "
            "checkpoint to processes that read it weights-only, and could not resume on another number of "
            "processes (training/resume.py)"),
+    Change(install_prefetch_stopped_at_exit,
+           "fairseq's daemon thread that collates the next batches was still in torch when a run stopped "
+           "mid-epoch (--max-update) exited, and Python 3.11's end of such a thread aborted the process "
+           "(SIGABRT) after it had trained and saved: it now ends at its next batch before the interpreter "
+           "exits"),
 )
 
 
