@@ -37,9 +37,9 @@ def _until_stopped(stop: threading.Event, source):
 
 
 def _stoppable(init):
-    def __init__(self, queue, source, max_len, cuda_device):
+    def __init__(self, buffer, source, max_len, cuda_device):
         self.stopping = threading.Event()
-        init(self, queue, _until_stopped(self.stopping, source), max_len, cuda_device)
+        init(self, buffer, _until_stopped(self.stopping, source), max_len, cuda_device)
         _running.add(self)
 
     __init__.kerple_fairseq = True
@@ -54,12 +54,17 @@ def stop_prefetching(timeout: float = STOP_SECONDS) -> None:
     deadline = time.monotonic() + timeout
     for consumer in consumers:
         while consumer.is_alive() and time.monotonic() < deadline:
-            try:
-                while True:
-                    consumer._queue.get_nowait()
-            except queue.Empty:
-                pass
+            _empty(consumer._queue)
             consumer.join(0.05)
+
+
+def _empty(buffer: queue.Queue) -> None:
+    """Take every item ``buffer`` holds now, so that a consumer waiting to put one goes on."""
+    try:
+        while True:
+            buffer.get_nowait()
+    except queue.Empty:
+        pass
 
 
 def install_prefetch_stopped_at_exit() -> None:
