@@ -216,6 +216,7 @@ def test_a_second_training_length_under_a_budget_resumes_adds_seeds_and_is_seen_
     more = run(tiny_comparison(wikitext_head, tmp_path, "--other-length", first, "--analyses", "extrapolation",
                                train_length=8, eval_lengths=None))
     assert trainings(more) == ["training nope (--arch transformer_lm_kerple --bias-kernel none), seed 4, 3 updates"]
+    assert "3 of 4 models trained and evaluated\n" in more.stdout  # alibi-seed4, finished, is no time left
     assert "over --budget-hours" not in more.stdout
     assert {(r["model"], r["seeds"]) for r in csv_rows(runs / "leaderboard.csv")} == {("nope", "3;4"), ("alibi", "3;4")}
 

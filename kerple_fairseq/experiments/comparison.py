@@ -15,6 +15,7 @@ from kerple_fairseq.experiments.paths import SCRIPTS
 
 PROTOCOLS = ("early-token-cursed", "last-token")  # also how kerple-eval-lm's result lines begin
 FILES_WRITTEN = ("--results-json", "--per-token", "--position-wise")  # kerple-eval-lm options naming an output
+EVALUATION_RECORD = "evaluated.json"  # beside the checkpoint evaluated
 
 
 class CommandFailed(Exception):
@@ -80,7 +81,7 @@ class Comparison:
                 return option.name
             return "<data-bin>" if option == self.data_bin else str(option)
 
-        step = Step(checkpoint.parent / "evaluated.json",
+        step = Step(checkpoint.parent / EVALUATION_RECORD,
                     {"kerple-eval-lm": [portable(o) for o in options], "data": self.data_fingerprint,
                      "checkpoint": file_digest(checkpoint) if checkpoint.is_file() else None},
                     [*(Path(str(options[k + 1])) for k, o in enumerate(options) if o in FILES_WRITTEN),
@@ -102,6 +103,12 @@ class Comparison:
             return None
         self.log(f"{run_dir.name} is kept without its checkpoint, trained and evaluated so: reading {results}")
         return json.loads(results.read_text())
+
+    @staticmethod
+    def evaluation_recorded(model: Model) -> bool:
+        """Whether the run of ``model`` holds a record of an evaluation, whatever its key (for the estimate of
+        the time left only: whether the step is finished is checked when it is reached)."""
+        return model.training is not None and (model.training.outputs[0].parent / EVALUATION_RECORD).is_file()
 
     def evaluate(self, model: Model, checkpoint: Path) -> Tuple[List[dict], float]:
         """kerple-eval-lm's records of every protocol at every length (also in ``eval.json`` beside the
@@ -125,7 +132,8 @@ class Comparison:
         where the run is kept without its checkpoint); by its key. Once the first is done, ``plan(models)``
         gives those to make, the first still first (what its cost leaves of them). After each, how many
         are done and an estimate of the time left: the mean time of the models that needed work so far,
-        times the models left."""
+        times the models left whose run holds no record of an evaluation (those that have one are likely
+        finished: read after the others, they take no time)."""
         evaluated, worked, spent = {}, 0, 0.0
         models, done = list(models), 0
         while done < len(models):
@@ -142,7 +150,7 @@ class Comparison:
                 models = plan(models)
             if training + evaluation > 0:
                 worked, spent = worked + 1, spent + training + evaluation
-            left = len(models) - done
+            left = sum(not self.evaluation_recorded(m) for m in models[done:])
             estimate = f"; about {spent / worked * left / 60:.0f} min left" if worked and left else ""
             self.log(f"{done} of {len(models)} models trained and evaluated{estimate}")
         return evaluated
