@@ -132,8 +132,8 @@ class Comparison:
         where the run is kept without its checkpoint); by its key. Once the first is done, ``plan(models)``
         gives those to make, the first still first (what its cost leaves of them). After each, how many
         are done and an estimate of the time left: the mean time of the models that needed work so far,
-        times the models left whose run holds no record of an evaluation (those that have one are likely
-        finished: read after the others, they take no time)."""
+        times the models left whose run holds no record of an evaluation (a run with one is most likely
+        finished, and costs no time)."""
         evaluated, worked, spent = {}, 0, 0.0
         models, done = list(models), 0
         while done < len(models):

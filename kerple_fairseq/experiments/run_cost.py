@@ -18,7 +18,9 @@ import statistics
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-RECORDS = ("trained.json", "evaluated.json")
+from kerple_fairseq.experiments.comparison import EVALUATION_RECORD
+
+RECORDS = ("trained.json", EVALUATION_RECORD)
 
 Run = Tuple[str, int]  # a model's name and its seed
 Seconds = Tuple[float, float]  # training, evaluation
