@@ -7,7 +7,7 @@ setup(
     "for length-extrapolation research",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["kerple_fairseq", "kerple_fairseq.*"]),
+    packages=find_packages(include=["kerple_core", "kerple_core.*", "kerple_fairseq", "kerple_fairseq.*"]),
     python_requires=">=3.10,<3.14",  # tried: 3.10 to 3.13 (torch 2.13.0 starts at 3.10)
     install_requires=[
         # fairseq 0.12.2's own rebuild: 0.12.2 does not run on Python 3.11+, and pip 24.1 and later refuse

@@ -1,22 +1,19 @@
 """kerple_fairseq: a fairseq ``--user-dir`` plugin of positional attention-bias kernels.
 
-Importing the package registers the ``kerple_lm`` model and its architectures
-(``transformer_lm_kerple``, ``transformer_lm_alibi``, ``transformer_lm_rotary``,
-each also as ``..._wiki103``) and every kernel in :mod:`kerple_fairseq.kernels`.
+fairseq imports it when it loads the plugin for a run (``--user-dir kerple_fairseq``, the hub's
+``user_dir=``; the plugin's own commands import it too). Importing it registers the ``kerple_lm`` model
+and its architectures (``transformer_lm_kerple``, ``transformer_lm_alibi``, ``transformer_lm_rotary``,
+each also as ``..._wiki103``) and makes every change to fairseq listed in
+:mod:`kerple_fairseq.fairseq_changes`. The kernels, layer biases and attention it builds its models from
+are the core beside it, :mod:`kerple_core`, which a model of one's own can import with no such change.
 """
 
 import os
 
-from kerple_fairseq.quiet import logging_left_to_the_process, silence_library_notices
-
-silence_library_notices()  # before fairseq is imported: its import-time notices are among them
-with logging_left_to_the_process():
-    import fairseq  # noqa: F401
-    from fairseq import models as _fairseq_models, tasks as _fairseq_tasks  # noqa: F401  (all their modules)
-
-from kerple_fairseq.errors import KernelConfigError  # noqa: E402
-from kerple_fairseq import kernels, models  # noqa: F401,E402  (registration)
-from kerple_fairseq.fairseq_changes import apply_all  # noqa: E402
+import kerple_core.kernels  # noqa: F401  (the kernels' registry; fairseq imported quietly by the core)
+from kerple_fairseq import models  # noqa: F401  (registration)
+from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.fairseq_changes import apply_all
 
 
 def _register_fairseq_user_dir_alias() -> None:

@@ -1,6 +1,7 @@
 """The plugin's user-facing errors, reported as one line on the command line.
 
-This module is the package's ground floor: it imports nothing from the package. It holds the
+This module is the package's ground floor: it imports nothing from the package (from the core beside it,
+:class:`kerple_core.errors.KernelConfigError`, the core's one error type). It holds the
 exception types, their wording, and the machinery that reports an uncaught error or a command-line
 mistake as one line. What an error *is* is known where its subject lives, and registered here:
 
@@ -23,6 +24,8 @@ import sys
 import traceback
 from typing import Callable, List, Optional, Sequence
 
+from kerple_core.errors import KernelConfigError
+
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 #: recognisers of uncaught errors reported as one line, in order of precedence: each takes an exception
@@ -33,15 +36,6 @@ one_line_reports: List[Callable[[BaseException], Optional[str]]] = []
 #: what to add to a command-line error's message: each takes the message and the command's arguments
 #: and returns text to append (``""`` for nothing; see :func:`register_usage_hint`)
 usage_hints: List[Callable[[str, Sequence[str]], str]] = []
-
-
-class KernelConfigError(ValueError):
-    """A bad kernel name, option value or model configuration.
-
-    The message says what is wrong and what to do. Uncaught, it is printed as a
-    single ``kerple_fairseq: error: ...`` line (exit status 1) instead of a
-    traceback (see :func:`install_one_line_errors`).
-    """
 
 
 class UsageError(Exception):

@@ -1,16 +1,21 @@
-"""Every change the plugin makes to fairseq (and to how its commands end), made once when the plugin
-is imported, so that ``fairseq-train --user-dir kerple_fairseq``, ``fairseq-hydra-train``,
-``fairseq-eval-lm``, ``fairseq-interactive``/``fairseq-generate`` and the hub interface get them.
+"""Every change the plugin makes to fairseq and to the process (how its commands end, its logging), made
+once when fairseq loads the plugin for a run (``fairseq-train --user-dir kerple_fairseq``,
+``fairseq-hydra-train``, ``fairseq-eval-lm``, ``fairseq-interactive``/``fairseq-generate``, the hub's
+``user_dir=``, the plugin's own commands), which imports :mod:`kerple_fairseq`.
 
-:data:`CHANGES` lists them, each with why it exists, in the order :func:`apply_all` makes them. Apart
-from registering the plugin's model, architectures and kernels in fairseq's registries (fairseq's own
-way for a plugin), no module of the plugin changes fairseq (or ``argparse``, ``sys.excepthook``) when
-it is imported: each offers the function that makes its change, and only :func:`apply_all` calls it.
-The recognisers of errors reported in one line, and the hints added to command-line errors, live with
-what they know (a checkpoint file, a training run's processes, the model's architectures) and are
-registered with :mod:`kerple_fairseq.errors` in this list too, so that :mod:`kerple_fairseq.errors`
-imports nothing from the package; their order is their precedence (a refused checkpoint before a
-lost process, when one error is both).
+:data:`CHANGES` lists them, each with why it exists, in the order :func:`apply_all` makes them;
+:data:`SWAPS_DURING_BUILD` lists the two names of fairseq's that point at the plugin's classes while
+fairseq builds one of its models, and at fairseq's own again after. Apart from registering the plugin's
+model and architectures in fairseq's registries (fairseq's own way for a plugin), no module changes
+fairseq, ``argparse``, ``sys.excepthook``, logging or the warnings filters when it is imported: each
+offers the function that makes its change, and only :func:`apply_all` calls it. The core beside the
+plugin (:mod:`kerple_core`: kernels, layer biases, attention) makes no change at all, on import or in
+use (FlexAttention's higher limit of compiles holds only during its own calls). The recognisers of
+errors reported in one line, and the hints added to command-line errors, live with what they know (a
+checkpoint file, a training run's processes, the model's architectures) and are registered with
+:mod:`kerple_fairseq.errors` in this list too, so that :mod:`kerple_fairseq.errors` imports nothing from
+the package; their order is their precedence (a refused checkpoint before a lost process, when one
+error is both).
 """
 
 import types
@@ -18,6 +23,7 @@ from typing import Callable, NamedTuple
 
 import numpy
 
+from kerple_core.quiet import silence_library_notices
 from kerple_fairseq.errors import (fairseq_option_check_report, install_one_line_errors, register_one_line_report,
                                    register_usage_hint, report_hydra_jobs_in_one_line)
 from kerple_fairseq.evaluation.checkpoint_file import (allow_checkpoint_globals, install_checkpoint_reading_errors,
@@ -108,6 +114,11 @@ class Change(NamedTuple):
 
 
 CHANGES = (
+    Change(silence_library_notices,
+           "fairseq 0.12 drives Hydra through APIs that Hydra 1.1+ reports as deprecated (five warnings on every "
+           "configuration), and torch reports fairseq's torch.jit.script as deprecated: neither concerns language "
+           "modelling nor anything a user can change, and they bury the run's own lines (each silenced by its "
+           "exact text; Hydra's and fairseq's text-to-speech loggers kept to warnings)"),
     Change(numpy2_compat,
            "fairseq 0.12 names np.compat.long (--sample-break-mode eos, translation's bucketing), which NumPy 2 "
            "removed, and its TokenBlockDataset counts on NumPy 1 widening unsigned block indices (on NumPy 2 a "
@@ -172,6 +183,24 @@ CHANGES = (
            "mid-epoch (--max-update) exited, and Python 3.11's end of such a thread aborted the process "
            "(SIGABRT) after it had trained and saved: it now ends at its next batch before the interpreter "
            "exits"),
+)
+
+
+class Swap(NamedTuple):
+    module: str  # fairseq's module
+    name: str  # the name in it that points at the plugin's class while a plugin model is built
+    why: str
+
+
+SWAPS_DURING_BUILD = (
+    Swap("fairseq.models.transformer_lm", "TransformerDecoder",
+         "TransformerLanguageModel.build_model builds the embeddings (plain, adaptive or character) and then "
+         "the decoder by this name: pointing it at KernelBiasedDecoder for that one call reuses the rest "
+         "(models/transformer_lm_kerple.py)"),
+    Swap("fairseq.modules.transformer_layer", "TransformerDecoderLayerBase",
+         "TransformerDecoder.build_decoder_layer wraps each layer (activation checkpointing, FSDP) after "
+         "building it by this name: pointing it at the layer that attends with the position methods for each "
+         "call keeps the wrapping (models/decoder.py)"),
 )
 
 

@@ -30,7 +30,7 @@ from kerple_fairseq.experiments.comparison import CommandFailed  # noqa: E402
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS  # noqa: E402
 from kerple_fairseq.experiments.small_comparison import (  # noqa: E402
     ANALYSES, DEFAULT_MODELS, compare, downloaded_sample, stage)
-from kerple_fairseq.kernels.constraints import PARAMETERIZATIONS  # noqa: E402
+from kerple_core.kernels.constraints import PARAMETERIZATIONS  # noqa: E402
 from kerple_fairseq.experiments.wikitext103 import OFFICIAL_URL, PrepareError, missing_token_files  # noqa: E402
 
 

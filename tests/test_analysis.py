@@ -20,7 +20,7 @@ from helpers import tiny_model
 from kerple_fairseq.analysis.kernel_curves import effective_lengths
 from kerple_fairseq.analysis.receptive_field import receptive_field
 from kerple_fairseq.evaluation.checkpoint_file import no_checkpoint
-from kerple_fairseq.kernels import build_kernel
+from kerple_core.kernels import build_kernel
 
 ANALYZE = BIN / "kerple-analyze"
 WINDOW, LAYERS = 8, 2

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from helpers import VOCAB, tiny_model
-from kerple_fairseq.attention.blocks import CPU_BLOCK_SCORES, MIN_CPU_BLOCK, effective_block_size, query_blocks
-from kerple_fairseq.attention.distance_bias import DistanceBias, toeplitz
+from kerple_core.attention.blocks import CPU_BLOCK_SCORES, MIN_CPU_BLOCK, effective_block_size, query_blocks
+from kerple_core.attention.distance_bias import DistanceBias, toeplitz
 
 CASES = [
     ("kerple_log", []), ("kerple_power", []), ("kerple_bias_wht", []), ("alibi_rf", ["--alibi-rf-learnable-rho"]),

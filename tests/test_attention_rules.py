@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kerple_fairseq.attention.self_attention import recorded
+from kerple_core.attention.self_attention import recorded
 from kerple_fairseq.errors import KernelConfigError
 
 from attention_rule_reference import (bam_prior, llama4_query_temperature, path_inputs, path_logits, rerope_logits,
@@ -278,7 +278,7 @@ def test_bad_options_are_clear_errors(flags, message):
 def test_an_unknown_ssmax_scope_is_a_clear_error():
     """The command line's choices refuse it first; a configuration built otherwise (Hydra, a checkpoint's)
     is refused by the method."""
-    from kerple_fairseq.attention.methods.ssmax import ScalableSoftmax
+    from kerple_core.attention.methods.ssmax import ScalableSoftmax
 
     with pytest.raises(KernelConfigError, match="--ssmax-scope must be one of logits, queries, got 'bias'"):
         ScalableSoftmax(4, ssmax_scope="bias")
@@ -331,7 +331,7 @@ def test_the_rule_changes_what_the_model_computes(case):
 def test_query_scales_are_served_by_the_fused_backends(monkeypatch, backend, scope):
     """Scalable softmax and the temperature scale the queries (and SSMax the bias, row by row): sdpa
     and FlexAttention (eager here; compiled: test_flex_attention.py) attend as the explicit path does."""
-    from kerple_fairseq.attention import flex
+    from kerple_core.attention import flex
 
     monkeypatch.setattr(flex, "COMPILED", False)
     flags = ["--ssmax", "--ssmax-scope", scope, "--attn-temperature-tuning", "--attn-temperature-floor-scale", "4"]

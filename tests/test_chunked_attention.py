@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from kerple_fairseq.attention.blocks import query_blocks
+from kerple_core.attention.blocks import query_blocks
 from kerple_fairseq.errors import KernelConfigError
-from kerple_fairseq.layer_biases import build_layer_bias
+from kerple_core.layer_biases import build_layer_bias
 
 from helpers import tiny_model
 from test_layer_biases import log_probs, tokens_of

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from kerple_fairseq.attention.methods.cope import ContextualPositions
+from kerple_core.attention.methods.cope import ContextualPositions
 from kerple_fairseq.errors import KernelConfigError
 
 from helpers import tiny_model

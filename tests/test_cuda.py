@@ -10,9 +10,9 @@ import torch
 
 from helpers import (FLEX_METHODS, HEADS_OF_16, NO_FLEX_BACKWARD, encoding_model, every_encoding, flex_method_model,
                      random_tokens)
-from kerple_fairseq.attention import flex
-from kerple_fairseq.attention.attend import attend, masked_sdpa_backends
-from kerple_fairseq.attention.blocks import QueryBlock
+from kerple_core.attention import flex
+from kerple_core.attention.attend import attend, masked_sdpa_backends
+from kerple_core.attention.blocks import QueryBlock
 
 pytestmark = pytest.mark.cuda
 
@@ -202,7 +202,7 @@ MASKED_SDPA_CASES = [pytest.param(name, dtype, backend, marks=pytest.mark.xdist_
 def test_each_masked_sdpa_backend(name, dtype, sdpa_backend, monkeypatch):
     """Each of SDPA's backends that the plugin allows with a mask, alone, against the float64 reference;
     a failure names every parameter off (error over tolerance) and the positions of the embeddings off."""
-    from kerple_fairseq.attention import attend as attend_module
+    from kerple_core.attention import attend as attend_module
     monkeypatch.setattr(attend_module, "masked_sdpa_backends", lambda dtype: [sdpa_backend])
     length, flags = 333, ("--attention-dropout", "0", "--attention-block-size", "0")
     tolerance = 2e-4 if dtype == torch.float32 else 3e-2
@@ -225,7 +225,7 @@ def test_each_masked_sdpa_backend(name, dtype, sdpa_backend, monkeypatch):
 
 def test_blocks_of_a_method_on_the_scores_are_not_cut_on_cuda(monkeypatch):
     """--cpu-attention-block-scores is a CPU's: on CUDA, DAPE's blocks keep --attention-block-size queries."""
-    from kerple_fairseq.attention.distance_bias import DistanceBias
+    from kerple_core.attention.distance_bias import DistanceBias
 
     model = encoding_model(ENCODINGS["dape_alibi"], *HEADS_OF_16, "--attention-block-size", "64",
                            "--cpu-attention-block-scores", "4000").to(CUDA).eval()

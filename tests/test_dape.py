@@ -4,7 +4,7 @@ with every kind of bias in the model on every decoding path."""
 import pytest
 import torch
 
-from kerple_fairseq.attention.methods.dape import DataAdaptiveLogits
+from kerple_core.attention.methods.dape import DataAdaptiveLogits
 from kerple_fairseq.errors import KernelConfigError
 
 from helpers import tiny_model

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import reference
-from kerple_fairseq.attention.blocks import QueryBlock, query_blocks
-from kerple_fairseq.attention.distance_bias import DistanceBias
+from kerple_core.attention.blocks import QueryBlock, query_blocks
+from kerple_core.attention.distance_bias import DistanceBias
 from kerple_fairseq.errors import KernelConfigError
-from kerple_fairseq.kernels import KERNELS, build_kernel
+from kerple_core.kernels import KERNELS, build_kernel
 
 WINDOW = 7  # the window kernel's --attn-window here
 NAMES = sorted(KERNELS)
@@ -88,7 +88,7 @@ def test_a_long_sequences_blocks_are_laid_out_once_for_every_layer_in_training_a
     all, and a learnable kernel's gradient gathers every layer's (equal to the gradient through one block of
     every query); otherwise a layer's blocks go once it is done."""
     from helpers import random_tokens, tiny_model
-    from kerple_fairseq.attention import distance_bias as module
+    from kerple_core.attention import distance_bias as module
 
     laid = []
     original = module.toeplitz

@@ -124,7 +124,7 @@ def test_protocol_all_and_position_wise_file(trained, data_bin, tmp_path):
 def test_long_length_without_an_l_by_l_tensor(trained, data_bin, tmp_path, monkeypatch):
     """L = 8192 on CPU without any L x L tensor: the layers share one vector of per-distance values,
     laid out block by block (blocks of 1024 queries): no laid-out bias has more than 1024 queries."""
-    from kerple_fairseq.attention import distance_bias
+    from kerple_core.attention import distance_bias
     from kerple_fairseq.evaluation.cli import cli_main
 
     dense, lines = [], []

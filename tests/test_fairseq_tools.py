@@ -16,9 +16,9 @@ from fairseq.models.transformer_lm import TransformerLanguageModel
 
 from conftest import REPO, TRAIN_LENGTH, fairseq_cli, run, stock_eval_lm, train_in_process
 from helpers import every_encoding
-from kerple_fairseq.attention.methods import attention_method_option_fields
-from kerple_fairseq.kernels import option_fields
-from kerple_fairseq.layer_biases import layer_bias_option_fields
+from kerple_core.attention.methods import attention_method_option_fields
+from kerple_core.kernels import option_fields
+from kerple_core.layer_biases import layer_bias_option_fields
 from kerple_fairseq.models.config import KernelBiasedLMConfig
 from kerple_fairseq.evaluation.loading import load_language_model, token_stream
 from kerple_fairseq.evaluation.scorer import WindowScorer

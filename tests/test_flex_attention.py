@@ -8,12 +8,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from helpers import FLEX_METHODS, HEADS_OF_16, NO_FLEX_BACKWARD, flex_method_model, random_tokens, tiny_model
-from kerple_fairseq.attention import attend as attend_module, flex
-from kerple_fairseq.attention.attend import FLEX_MIN_KEYS_CPU, choose_backend
-from kerple_fairseq.attention.blocks import QueryBlock
-from kerple_fairseq.attention.layer_bias import LayerBlockBias
+from kerple_core.attention import attend as attend_module, flex
+from kerple_core.attention.attend import FLEX_MIN_KEYS_CPU, choose_backend
+from kerple_core.attention.blocks import QueryBlock
+from kerple_core.attention.layer_bias import LayerBlockBias
 from kerple_fairseq.errors import KernelConfigError
-from kerple_fairseq.layer_biases import layer_bias_names
+from kerple_core.layer_biases import layer_bias_names
 
 #: the fast tier: a distance kernel, a weight kernel and a layer bias on the eager kernel, one
 #: method compiled (every method both ways in the slow tier)

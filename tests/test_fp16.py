@@ -12,8 +12,8 @@ from fairseq.optim.fp16_optimizer import FP16Optimizer
 from kerple_fairseq.analysis.kernel_curves import load_kernel
 from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.experiments.recipe import CPU_FP16_FLAGS
-from kerple_fairseq.kernels import KERNELS
-from kerple_fairseq.kernels.learnable import LearnableKernel
+from kerple_core.kernels import KERNELS
+from kerple_core.kernels.learnable import LearnableKernel
 
 from conftest import train_in_process
 from helpers import random_tokens, tiny_model

@@ -34,10 +34,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from helpers import VOCAB, tiny_model
-from kerple_fairseq.attention import flex
-from kerple_fairseq.attention.methods import ATTENTION_METHODS
-from kerple_fairseq.kernels import kernel_names
-from kerple_fairseq.layer_biases.fire import FireBias
+from kerple_core.attention import flex
+from kerple_core.attention.methods import ATTENTION_METHODS
+from kerple_core.kernels import kernel_names
+from kerple_core.layer_biases.fire import FireBias
 
 DEVICE = torch.device("meta")
 TRAIN_LENGTH = 16  # --tokens-per-sample: the batch is longer, so that rotary scalings act
@@ -70,12 +70,12 @@ METHODS = [[kernel, *(["--attn-window", "8"] if kernel == "window" else [])] for
 PADDING_CHECK = ("fairseq/models/transformer/transformer_decoder.py",
                  "if self.cross_self_attention or prev_output_tokens.eq(self.padding_idx).any():")
 #: without gradients: a learnable kernel's parameters as the key of the bias kept while they are frozen
-KERNEL_CACHE_KEY = ("kerple_fairseq/attention/distance_bias.py",
+KERNEL_CACHE_KEY = ("kerple_core/attention/distance_bias.py",
                     "values = tuple(tuple(p.detach().flatten().tolist()) for p in self.kernel.parameters())")
 #: without gradients: FIRE's parameters and threshold as the key of the block bias kept while they are frozen
-FIRE_CACHE_KEY = ("kerple_fairseq/layer_biases/fire.py",
+FIRE_CACHE_KEY = ("kerple_core/layer_biases/fire.py",
                   "values = tuple(tuple(p.detach().flatten().tolist()) for p in self.parameters())")
-FIRE_THRESHOLD_KEY = ("kerple_fairseq/layer_biases/fire.py", "self.c.device, self.threshold_base.item(), values)")
+FIRE_THRESHOLD_KEY = ("kerple_core/layer_biases/fire.py", "self.c.device, self.threshold_base.item(), values)")
 
 TRAINING_ANSWERS = {PADDING_CHECK: False}
 #: a cache key may be any value while the parameters do not change

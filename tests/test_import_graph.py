@@ -1,37 +1,45 @@
-"""The package's import graph, read from its source (no module is imported): no module imports itself
-through others, and no floor of the package imports a higher one.
+"""The import graph of the core and the plugin, read from their source (no module is imported): no module
+imports itself through others, no floor imports a higher one, and the core imports nothing of the plugin.
 
-Every ``import`` and ``from ... import`` in every module of kerple_fairseq/ counts, at the top of a
-module or inside a function, absolute or relative, and so does ``importlib.import_module`` of a fixed
-name or of every module of a package (``f"{__name__}.{name}"`` in its ``__init__``).
+Every ``import`` and ``from ... import`` in every module of kerple_core/ and kerple_fairseq/ counts, at
+the top of a module or inside a function, absolute or relative, and so does ``importlib.import_module`` of
+a fixed name or of every module of a package (``f"{__name__}.{name}"`` in its ``__init__``).
 ``from package import name`` depends on the module ``package.name`` where there is one, else on
 ``package``. Python also runs a package's ``__init__`` before any of its modules; that dependency is
-not counted (every module would otherwise depend on the package's own ``__init__``, which imports the
-plugin whole), and a package's ``__init__`` may import its own modules.
+not counted (every module would otherwise depend on the package's own ``__init__``), and a package's
+``__init__`` may import its own modules.
 """
 
 import ast
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Set
 
-PACKAGE = "kerple_fairseq"
-ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+CORE, PLUGIN = "kerple_core", "kerple_fairseq"
+PACKAGES = (CORE, PLUGIN)
+REPO = Path(__file__).resolve().parents[1]
 
-#: the package's floors, lowest first: a module may import its own floor and those below it, never one
-#: above. A module's floor is the first name under the package (kerple_fairseq.attention.methods.cope is
-#: on ``attention``'s); ``__init__`` is the package's own kerple_fairseq/__init__.py.
+#: the floors, lowest first: a module may import its own floor and those below it, never one above. A
+#: module's floor is its package and the first name under it (kerple_core.attention.methods.cope is on
+#: ``kerple_core.attention``); a package's own __init__.py is on the floor named by the package alone.
 FLOORS = [
-    ("errors", "quiet", "precision"),  # error types and wording; library notices; the precision computed in
-    ("kernels",),  # the distance kernels
-    ("attention",),  # attention with a positional bias (of kernels), and the attention methods
-    ("layer_biases",),  # the biases an attention layer builds for itself, block by block (attention.blocks);
-    #                    attention is given them by the model (SelfAttentionSetup.layer_bias), never imports them
-    ("models",),  # the fairseq model and its architectures: what chooses among kernels, layer biases, methods
-    ("training", "evaluation"),  # training across processes; evaluating a checkpoint
-    ("analysis",),
-    ("experiments",),
-    ("fairseq_changes",),  # every change to fairseq, made by apply_all
-    ("__init__",),
+    # the core: importing any of it changes nothing in the process
+    (f"{CORE}.errors", f"{CORE}.quiet", f"{CORE}.precision"),  # its error type; library notices kept quiet;
+    #                                                             the precision computed in
+    (f"{CORE}.kernels",),  # the distance kernels
+    (f"{CORE}.attention",),  # attention with a positional bias (of kernels), and the attention methods
+    (f"{CORE}.layer_biases",),  # the biases an attention layer builds for itself, block by block
+    #                             (attention.blocks); attention is given them by the model
+    #                             (SelfAttentionSetup.layer_bias), never imports them
+    (CORE,),  # the core's __init__: fairseq imported quietly
+    # the plugin: what fairseq loads for a run
+    (f"{PLUGIN}.errors",),  # error wording and one-line reports
+    (f"{PLUGIN}.models",),  # the fairseq model and its architectures: what chooses among kernels, layer biases,
+    #                         methods
+    (f"{PLUGIN}.training", f"{PLUGIN}.evaluation"),  # training across processes; evaluating a checkpoint
+    (f"{PLUGIN}.analysis",),
+    (f"{PLUGIN}.experiments",),
+    (f"{PLUGIN}.fairseq_changes",),  # every change to fairseq, made by apply_all
+    (PLUGIN,),  # the plugin's __init__: registration, then apply_all
 ]
 
 
@@ -45,19 +53,20 @@ class Import(NamedTuple):
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def package_modules() -> Dict[str, Path]:
-    return {module_name(p): p for p in sorted(ROOT.rglob("*.py")) if "__pycache__" not in p.parts}
+    return {module_name(p): p for package in PACKAGES for p in sorted((REPO / package).rglob("*.py"))
+            if "__pycache__" not in p.parts}
 
 
 MODULES = package_modules()
 
 
 def module_path(name: str) -> str:
-    return str(MODULES[name].relative_to(ROOT.parent))
+    return str(MODULES[name].relative_to(REPO))
 
 
 def is_package(name: str) -> bool:
@@ -65,7 +74,11 @@ def is_package(name: str) -> bool:
 
 
 def floor(name: str) -> str:
-    return name.split(".")[1] if "." in name else "__init__"
+    return ".".join(name.split(".")[:2])
+
+
+def ours(target: str) -> bool:
+    return any(target == package or target.startswith(package + ".") for package in PACKAGES)
 
 
 def imported_names(tree: ast.AST, name: str):
@@ -98,12 +111,12 @@ def imported_names(tree: ast.AST, name: str):
 
 
 def import_graph() -> Dict[str, List[Import]]:
-    """Each of the package's modules, and its imports of the package's modules (of itself excepted)."""
+    """Each module of the core and the plugin, and its imports of their modules (of itself excepted)."""
     graph = {}
     for name, path in MODULES.items():
         found = imported_names(ast.parse(path.read_text(encoding="utf-8"), str(path)), name)
         graph[name] = sorted({Import(name, target, line) for target, line in found
-                              if target != name and (target == PACKAGE or target.startswith(PACKAGE + "."))},
+                              if target != name and ours(target)},
                              key=lambda edge: (edge.line, edge.target))
     return graph
 
@@ -167,21 +180,31 @@ def test_no_floor_imports_a_higher_one():
     assert not upward, "imports from a lower floor of the package up to a higher one:\n" + "\n".join(upward)
 
 
-def test_the_ground_floor_imports_nothing_of_the_package():
-    """kerple_fairseq.errors words every error of the plugin; what it recognises is registered with it."""
-    assert import_graph()[f"{PACKAGE}.errors"] == []
+def test_the_core_imports_nothing_of_the_plugin():
+    """A model of one's own can take the core alone: none of its modules names the plugin."""
+    into_plugin = [str(edge) for module, edges in import_graph().items() if floor(module).startswith(CORE)
+                   for edge in edges if edge.target.startswith(PLUGIN)]
+    assert not into_plugin, "the core imports the plugin:\n" + "\n".join(into_plugin)
+
+
+def test_the_ground_floors_import_nothing_but_the_cores_error():
+    """kerple_core.errors imports nothing; kerple_fairseq.errors words every error of the plugin, takes the
+    core's error type, and what it recognises is registered with it."""
+    graph = import_graph()
+    assert graph[f"{CORE}.errors"] == []
+    assert {edge.target for edge in graph[f"{PLUGIN}.errors"]} == {f"{CORE}.errors"}
 
 
 def test_the_graph_sees_every_kind_of_import():
     """The reader itself: absolute, relative and in-function imports, and a package importing its own
-    modules (checked on this package's modules, whose imports are known)."""
+    modules (checked on the packages' modules, whose imports are known)."""
     graph = import_graph()
     targets = {module: {e.target for e in edges} for module, edges in graph.items()}
-    assert f"{PACKAGE}.errors" in targets[f"{PACKAGE}.kernels.base"]  # absolute
-    assert f"{PACKAGE}.fairseq_changes" in targets[PACKAGE]  # from the package's __init__
-    kernel_modules = {m for m in MODULES if m.startswith(f"{PACKAGE}.kernels.")}
-    assert kernel_modules <= targets[f"{PACKAGE}.kernels"]  # importlib.import_module(f"{__name__}.{name}")
-    tree = ast.parse("from . import base\nfrom ..errors import UsageError\n"
+    assert f"{CORE}.errors" in targets[f"{CORE}.kernels.base"]  # absolute
+    assert f"{PLUGIN}.fairseq_changes" in targets[PLUGIN]  # from the package's __init__
+    kernel_modules = {m for m in MODULES if m.startswith(f"{CORE}.kernels.")}
+    assert kernel_modules <= targets[f"{CORE}.kernels"]  # importlib.import_module(f"{__name__}.{name}")
+    tree = ast.parse("from . import base\nfrom ..errors import KernelConfigError\n"
                      "def f():\n    from .registry import registrar\n")
-    found = {target for target, _ in imported_names(tree, f"{PACKAGE}.kernels.alibi")}
-    assert found == {f"{PACKAGE}.kernels.base", f"{PACKAGE}.errors", f"{PACKAGE}.kernels.registry"}
+    found = {target for target, _ in imported_names(tree, f"{CORE}.kernels.alibi")}
+    assert found == {f"{CORE}.kernels.base", f"{CORE}.errors", f"{CORE}.kernels.registry"}

@@ -59,12 +59,12 @@ def test_fairseq_batches_by_sentence_with_the_installed_numpy():
 
 
 def kernel_files_loaded(command, cwd):
-    """The files of ``kerple_fairseq.kernels.alibi`` (and any other copy of the package) that a
+    """The files of ``kerple_core.kernels.alibi`` (and any other copy of the package) that a
     command's Python loads, from ``python -v``'s record of each module's source."""
     proc = subprocess.run([sys.executable, "-v", *command], cwd=cwd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return sorted({os.path.realpath(line.split()[-1]) for line in proc.stderr.splitlines()
-                   if line.startswith("# ") and line.rstrip().endswith(("kerple_fairseq/kernels/alibi.py",
+                   if line.startswith("# ") and line.rstrip().endswith(("kerple_core/kernels/alibi.py",
                                                                          "kerple_fairseq/__init__.py"))})
 
 
@@ -83,7 +83,7 @@ def test_every_command_runs_the_checkout(tmp_path):
     installed = json.loads(record.read_text("direct_url.json"))
     assert installed["dir_info"].get("editable") and installed["url"] == REPO.as_uri(), installed
     bin_dir = Path(sys.executable).parent
-    expected = [str(REPO / "kerple_fairseq" / "__init__.py"), str(REPO / "kerple_fairseq" / "kernels" / "alibi.py")]
+    expected = [str(REPO / "kerple_core" / "kernels" / "alibi.py"), str(REPO / "kerple_fairseq" / "__init__.py")]
     for command in ([str(bin_dir / "kerple-eval-lm"), "--help"], [str(bin_dir / "kerple-analyze"), "--help"],
                     *([str(bin_dir / "fairseq-train"), "--user-dir", user_dir, "--task", "language_modeling",
                        "--arch", "transformer_lm_kerple", "--help"] for user_dir in (str(REPO / "kerple_fairseq"),

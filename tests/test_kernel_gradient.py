@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from helpers import VOCAB, tiny_model
-from kerple_fairseq.attention import kernel_gradient
-from kerple_fairseq.attention.attend import choose_backend
-from kerple_fairseq.attention.blocks import QueryBlock
-from kerple_fairseq.attention.distance_bias import DistanceBias, toeplitz
-from kerple_fairseq.attention.kernel_gradient import attend_with_kernel_gradient, rows_seeing_a_key
-from kerple_fairseq.kernels import KERNELS, BiasKernel, build_kernel
+from kerple_core.attention import kernel_gradient
+from kerple_core.attention.attend import choose_backend
+from kerple_core.attention.blocks import QueryBlock
+from kerple_core.attention.distance_bias import DistanceBias, toeplitz
+from kerple_core.attention.kernel_gradient import attend_with_kernel_gradient, rows_seeing_a_key
+from kerple_core.kernels import KERNELS, BiasKernel, build_kernel
 from test_attention_blocks import REFERENCE, loss_and_gradients, pair
 
 PER_HEAD = sorted(name for name, cls in KERNELS.items() if cls.per_head_parameters)

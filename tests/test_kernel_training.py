@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kerple_fairseq.experiments.language_models import model_size_flags
-from kerple_fairseq.kernels import KERNELS, build_kernel
-from kerple_fairseq.kernels.learnable import LearnableKernel
+from kerple_core.kernels import KERNELS, build_kernel
+from kerple_core.kernels.learnable import LearnableKernel
 
 from conftest import assert_finite_falling_loss, train_in_process
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from kerple_fairseq import KernelConfigError
-from kerple_fairseq.kernels import KERNELS, build_kernel, kernel_names
-from kerple_fairseq.kernels.alibi import alibi_slopes
-from kerple_fairseq.kernels.learnable import LearnableKernel
+from kerple_core.kernels import KERNELS, build_kernel, kernel_names
+from kerple_core.kernels.alibi import alibi_slopes
+from kerple_core.kernels.learnable import LearnableKernel
 
 import reference
 
@@ -255,7 +255,7 @@ def test_reference_initialisation_ranges():
 
 
 def test_reparameterisation_round_trips_inside_the_domain():
-    from kerple_fairseq.kernels.constraints import bounded, bounded_inverse, positive, positive_inverse
+    from kerple_core.kernels.constraints import bounded, bounded_inverse, positive, positive_inverse
 
     values = torch.tensor([0.03, 0.5, 1.0, 1.9, 7.0], dtype=torch.float64)
     torch.testing.assert_close(positive(positive_inverse(values, 0.01), 0.01), values)
@@ -346,10 +346,10 @@ def test_readme_lists_every_kernel_method_and_option():
     """A row per kernel and layer bias (by name) and per attention method (each of its command lines, the
     first cell starting with it), every option of each in the README; the rotary family's by hand."""
     from conftest import REPO
-    from kerple_fairseq.attention.methods import ATTENTION_METHODS, attention_method_option_fields
-    from kerple_fairseq.attention.rotary import ROTARY_SCALINGS
-    from kerple_fairseq.kernels import option_fields
-    from kerple_fairseq.layer_biases import LAYER_BIASES, layer_bias_option_fields
+    from kerple_core.attention.methods import ATTENTION_METHODS, attention_method_option_fields
+    from kerple_core.attention.rotary import ROTARY_SCALINGS
+    from kerple_core.kernels import option_fields
+    from kerple_core.layer_biases import LAYER_BIASES, layer_bias_option_fields
 
     readme = (REPO / "README.md").read_text()
     scalings = [f"--rotary-scaling {name}" for name in ROTARY_SCALINGS if name != "none"]

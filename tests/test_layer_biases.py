@@ -5,11 +5,11 @@ paths: test_decoding_paths_of_newer_methods.py)."""
 import pytest
 import torch
 
-from kerple_fairseq.attention.blocks import QueryBlock
+from kerple_core.attention.blocks import QueryBlock
 from kerple_fairseq.errors import KernelConfigError
-from kerple_fairseq.layer_biases import LAYER_BIASES, build_layer_bias
-from kerple_fairseq.layer_biases.fire import FireBias
-from kerple_fairseq.layer_biases.fox import ForgetBiasOnly, ForgetGateBias
+from kerple_core.layer_biases import LAYER_BIASES, build_layer_bias
+from kerple_core.layer_biases.fire import FireBias
+from kerple_core.layer_biases.fox import ForgetBiasOnly, ForgetGateBias
 
 from helpers import VOCAB, parse_model_args, tiny_model
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kerple_fairseq.attention.methods.attention_temperature import AttentionTemperature
+from kerple_core.attention.methods.attention_temperature import AttentionTemperature
 from kerple_fairseq.analysis.kernel_curves import load_kernel
 from kerple_fairseq.errors import KernelConfigError, UsageError
 from kerple_fairseq.experiments.language_models import model_size_flags

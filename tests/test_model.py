@@ -5,7 +5,7 @@ import pytest
 import torch
 from fairseq.models.transformer_lm import TransformerLanguageModel, base_lm_architecture
 
-from kerple_fairseq.kernels import KERNELS
+from kerple_core.kernels import KERNELS
 from kerple_fairseq.models.transformer_lm_kerple import KernelBiasedLanguageModel
 
 from helpers import TINY, TinyTask, parse_model_args, random_tokens, tiny_model
@@ -160,7 +160,7 @@ def test_fairseq_optimizer_step_reaches_the_kernel_parameters():
 
 
 def test_bias_is_per_head_not_per_batch_element():
-    from kerple_fairseq.attention.distance_bias import DistanceBlockBias
+    from kerple_core.attention.distance_bias import DistanceBlockBias
 
     model = tiny_model("alibi").eval()
     shapes = []
@@ -182,7 +182,7 @@ def test_layers_are_built_through_fairseqs_build_decoder_layer_hook(kernel, flag
     """The plugin's attention is built inside fairseq's layer, so activation checkpointing wraps the
     real module: same log-probabilities and gradients as without it, dropout included (the
     recomputation replays the same random numbers), for a learnable kernel and the layer biases."""
-    from kerple_fairseq.attention.self_attention import BiasedSelfAttention
+    from kerple_core.attention.self_attention import BiasedSelfAttention
     from kerple_fairseq.models.decoder import KernelBiasedDecoderLayer
 
     dropout = ["--dropout", "0.1", "--attention-dropout", "0.1"]
@@ -272,7 +272,7 @@ def test_set_window_drops_cached_biases():
 
 
 def test_rotary_matches_complex_rotation_and_depends_on_relative_position_only():
-    from kerple_fairseq.attention.rotary import RotaryEmbedding
+    from kerple_core.attention.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
     head_dim, length = 16, 40

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kerple_fairseq.attention.methods.base import QUERIES, AttentionMethod, register_attention_method
+from kerple_core.attention.methods.base import QUERIES, AttentionMethod, register_attention_method
 
 
 @dataclass

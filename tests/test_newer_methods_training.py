@@ -173,7 +173,7 @@ def test_cope_curves_add_the_mean_term_by_distance_to_the_kernel(data_bin, tmp_p
     from kerple_fairseq.analysis.cli import cli_main
     from kerple_fairseq.analysis.kernel_curves import load_kernel
     from kerple_fairseq.evaluation.loading import load_language_model, token_stream
-    from kerple_fairseq.kernels.alibi import alibi_slopes
+    from kerple_core.kernels.alibi import alibi_slopes
 
     train_in_process(data_bin, tmp_path, 4, "--arch", "transformer_lm_alibi", *SIZE, "--cope",
                      "--attention-block-size", "16")  # the curves come from blocks of 16, 16 and 8 queries

@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 
 from kerple_fairseq import KernelConfigError
 from kerple_fairseq.analysis.kernel_curves import load_kernel
-from kerple_fairseq.attention.distance_bias import DistanceBias
-from kerple_fairseq.kernels import KERNELS, build_kernel
-from kerple_fairseq.kernels.learnable import LearnableKernel
+from kerple_core.attention.distance_bias import DistanceBias
+from kerple_core.kernels import KERNELS, build_kernel
+from kerple_core.kernels.learnable import LearnableKernel
 
 import reference
 from helpers import tiny_model

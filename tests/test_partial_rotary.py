@@ -5,7 +5,7 @@ blocks and beam search equal full scoring; bad values are one-line errors."""
 import pytest
 import torch
 
-from kerple_fairseq.attention.rotary import RotaryEmbedding
+from kerple_core.attention.rotary import RotaryEmbedding
 from kerple_fairseq.errors import KernelConfigError
 
 from helpers import tiny_model

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from kerple_fairseq.attention.blocks import query_blocks
-from kerple_fairseq.attention.rotary import RotaryEmbedding
-from kerple_fairseq.attention.self_attention import recorded
+from kerple_core.attention.blocks import query_blocks
+from kerple_core.attention.rotary import RotaryEmbedding
+from kerple_core.attention.self_attention import recorded
 from kerple_fairseq.errors import KernelConfigError
 
 from conftest import fairseq_cli, run, train_in_process

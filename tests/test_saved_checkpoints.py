@@ -121,7 +121,7 @@ def test_options_added_since_keep_the_behaviour_the_checkpoints_were_saved_with(
     value of the behaviour it was trained with (read by fairseq or as data), an override of it is honoured, and a
     configuration that has the option keeps its value. (--cpu-attention-block-scores, which changes no result,
     gets its default: below.)"""
-    from kerple_fairseq.attention.blocks import CPU_BLOCK_SCORES
+    from kerple_core.attention.blocks import CPU_BLOCK_SCORES
     from kerple_fairseq.evaluation.checkpoint_file import as_fairseq_state, read_checkpoint, with_saved_behaviour
     from kerple_fairseq.models.config import KernelBiasedLMConfig, saved_before
 
@@ -159,7 +159,7 @@ def test_an_override_of_an_option_added_since_is_honoured():
 def test_a_checkpoint_saved_before_the_cpu_block_option_takes_its_default():
     """``--cpu-attention-block-scores`` is newer than the saved checkpoints: their configuration lacks it,
     the loaded model cuts blocks on a CPU as a new one does, and a model override of it is taken."""
-    from kerple_fairseq.attention.blocks import CPU_BLOCK_SCORES
+    from kerple_core.attention.blocks import CPU_BLOCK_SCORES
 
     saved = torch.load(SAVED / "dape_alibi.pt", map_location="cpu", weights_only=True)["cfg"]["model"]
     assert "cpu_attention_block_scores" not in saved and saved["attention_block_size"] == 1024

@@ -46,7 +46,7 @@ def test_importing_the_plugin_leaves_logging_and_warnings_quiet():
 def test_other_warnings_still_show():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
-        import kerple_fairseq.quiet as quiet
+        import kerple_core.quiet as quiet
         quiet.silence_library_notices()
         warnings.warn("a warning of the user's own", UserWarning)
     assert [str(w.message) for w in caught] == ["a warning of the user's own"]

@@ -14,12 +14,12 @@ import torch
 
 from kerple_fairseq.errors import KernelConfigError, UsageError
 from kerple_fairseq.evaluation.loading import load_checkpoint_state
-from kerple_fairseq.kernels import BiasKernel, build_kernel
-from kerple_fairseq.attention.distance_bias import DistanceBias
-from kerple_fairseq.attention.methods import chosen_methods, layout
+from kerple_core.kernels import BiasKernel, build_kernel
+from kerple_core.attention.distance_bias import DistanceBias
+from kerple_core.attention.methods import chosen_methods, layout
 from kerple_fairseq.analysis.cope_curves import CheckpointContextualPositions
 from kerple_fairseq.analysis.layer_bias_curves import input_dependent, load_layer_biases
-from kerple_fairseq.layer_biases import LAYER_BIASES
+from kerple_core.layer_biases import LAYER_BIASES
 
 KERNEL_PREFIX = "decoder.attention_bias.kernel."
 EFFECTIVE_LENGTH_THRESHOLD = -2.0

@@ -14,7 +14,7 @@ import torch
 
 from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation.loading import load_language_model, token_stream
-from kerple_fairseq.layer_biases import LayerBias, build_layer_bias
+from kerple_core.layer_biases import LayerBias, build_layer_bias
 
 #: tokens of the split whose layer inputs give a content-dependent bias its mean curve
 CURVE_TOKENS = 4096

@@ -21,8 +21,8 @@ import torch
 from fairseq import options, tasks
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
-from kerple_fairseq.attention import flex
-from kerple_fairseq.attention.rotary import ROTARY_SCALINGS
+from kerple_core.attention import flex
+from kerple_core.attention.rotary import ROTARY_SCALINGS
 from kerple_fairseq.errors import UsageError, first_line
 from kerple_fairseq.evaluation import spans as S
 from kerple_fairseq.evaluation.loading import (check_checkpoint, check_data_bin, length_limit, load_language_model,

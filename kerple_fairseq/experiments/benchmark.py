@@ -19,10 +19,10 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from kerple_fairseq.attention import flex
-from kerple_fairseq.attention.attend import BACKENDS
-from kerple_fairseq.attention.methods import ATTENTION_METHODS
-from kerple_fairseq.attention.self_attention import recorded
+from kerple_core.attention import flex
+from kerple_core.attention.attend import BACKENDS
+from kerple_core.attention.methods import ATTENTION_METHODS
+from kerple_core.attention.self_attention import recorded
 from kerple_fairseq.experiments.language_models import build_language_model, model_size_flags
 from kerple_fairseq.experiments.paths import SCRIPTS
 

@@ -21,8 +21,8 @@ from typing import Dict, List, Sequence
 import torch
 from torch import Tensor
 
-from kerple_fairseq.attention.distance_bias import DistanceBias
-from kerple_fairseq.kernels import build_kernel, kernel_names
+from kerple_core.attention.distance_bias import DistanceBias
+from kerple_core.kernels import build_kernel, kernel_names
 
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 BACKENDS = ("explicit", "sdpa", "flex")

@@ -6,14 +6,14 @@ from dataclasses import field
 from fairseq.dataclass import ChoiceEnum
 from fairseq.models.transformer_lm import TransformerLanguageModelConfig
 
-from kerple_fairseq.attention.attend import BACKENDS
-from kerple_fairseq.attention.blocks import CPU_BLOCK_SCORES
-from kerple_fairseq.attention.methods import attention_method_option_fields
+from kerple_core.attention.attend import BACKENDS
+from kerple_core.attention.blocks import CPU_BLOCK_SCORES
+from kerple_core.attention.methods import attention_method_option_fields
 from kerple_fairseq.models.position_methods import bias_names
-from kerple_fairseq.attention.rotary import DYNAMIC_NTK_STEP, REROPE_LEAK, REROPE_QUERY_SCALES, ROTARY_SCALINGS
-from kerple_fairseq.kernels import option_fields
-from kerple_fairseq.kernels.registry import SAVED_BEFORE
-from kerple_fairseq.layer_biases import layer_bias_option_fields
+from kerple_core.attention.rotary import DYNAMIC_NTK_STEP, REROPE_LEAK, REROPE_QUERY_SCALES, ROTARY_SCALINGS
+from kerple_core.kernels import option_fields
+from kerple_core.kernels.registry import SAVED_BEFORE
+from kerple_core.layer_biases import layer_bias_option_fields
 
 DEFAULT_BLOCK_SIZE = 1024
 

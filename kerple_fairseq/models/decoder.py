@@ -11,15 +11,15 @@ from fairseq.modules.transformer_layer import TransformerDecoderLayerBase
 from fairseq.utils import safe_getattr
 from torch import nn
 
-from kerple_fairseq.attention.blocks import CPU_BLOCK_SCORES
-from kerple_fairseq.attention.distance_bias import DistanceBias
-from kerple_fairseq.attention.methods import check_composition, chosen_methods
-from kerple_fairseq.attention.rotary import (DYNAMIC_NTK_STEP, RE_ROPE, REROPE_LEAK, XPOS_SCALE_BASE,
+from kerple_core.attention.blocks import CPU_BLOCK_SCORES
+from kerple_core.attention.distance_bias import DistanceBias
+from kerple_core.attention.methods import check_composition, chosen_methods
+from kerple_core.attention.rotary import (DYNAMIC_NTK_STEP, RE_ROPE, REROPE_LEAK, XPOS_SCALE_BASE,
                                              RotaryEmbedding)
-from kerple_fairseq.attention.self_attention import AttentionSetup, BiasedSelfAttention
+from kerple_core.attention.self_attention import AttentionSetup, BiasedSelfAttention
 from kerple_fairseq.errors import KernelConfigError
-from kerple_fairseq.kernels import BiasKernel, build_kernel
-from kerple_fairseq.layer_biases import LAYER_BIASES, build_layer_bias
+from kerple_core.kernels import BiasKernel, build_kernel
+from kerple_core.layer_biases import LAYER_BIASES, build_layer_bias
 from kerple_fairseq.models.config import DEFAULT_BLOCK_SIZE
 from kerple_fairseq.models.position_plan import LayerPositions, layer_plan
 
@@ -70,7 +70,7 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
     """A layer's bias, rotary embedding and attention options, and the builders of its own bias and
     attention methods: from the model's arguments, or with ``entry`` (a plan's) the bias, rotary, window
     and added methods it names (``kernels``: the kernels built so far, by name, shared). A layer bias
-    (``--bias-kernel`` naming one of :mod:`kerple_fairseq.layer_biases`) is added to the distance bias
+    (``--bias-kernel`` naming one of :mod:`kerple_core.layer_biases`) is added to the distance bias
     of its ``distance_kernel``."""
     heads = args.decoder_attention_heads
     head_dim = args.decoder_embed_dim // heads

@@ -1,14 +1,14 @@
 """One lookup of a position method by name, over the three registries: distance kernels
-(:mod:`kerple_fairseq.kernels`), biases each layer builds (:mod:`kerple_fairseq.layer_biases`), both
-chosen with ``--bias-kernel``, and attention methods (:mod:`kerple_fairseq.attention.methods`), each
+(:mod:`kerple_core.kernels`), biases each layer builds (:mod:`kerple_core.layer_biases`), both
+chosen with ``--bias-kernel``, and attention methods (:mod:`kerple_core.attention.methods`), each
 with its own switch. A name is registered once over all three."""
 
 from typing import Dict, List, NamedTuple
 
-from kerple_fairseq.attention.methods import ATTENTION_METHODS
+from kerple_core.attention.methods import ATTENTION_METHODS
 from kerple_fairseq.errors import KernelConfigError
-from kerple_fairseq.kernels import KERNELS
-from kerple_fairseq.layer_biases import LAYER_BIASES
+from kerple_core.kernels import KERNELS
+from kerple_core.layer_biases import LAYER_BIASES
 
 KERNEL, LAYER_BIAS, ATTENTION_METHOD = "bias kernel", "layer bias", "attention method"
 REGISTRIES: Dict[str, Dict[str, type]] = {KERNEL: KERNELS, LAYER_BIAS: LAYER_BIASES, ATTENTION_METHOD: ATTENTION_METHODS}

@@ -10,8 +10,8 @@ from fairseq.models.transformer_lm import (
 from fairseq.utils import safe_getattr
 
 from kerple_fairseq.errors import KernelConfigError, option_value
-from kerple_fairseq.kernels import KERNELS
-from kerple_fairseq.layer_biases import LAYER_BIASES
+from kerple_core.kernels import KERNELS
+from kerple_core.layer_biases import LAYER_BIASES
 from kerple_fairseq.models.config import KernelBiasedLMConfig
 from kerple_fairseq.models.decoder import KernelBiasedDecoder, replaced
 from kerple_fairseq.models.position_plan import parse_plan

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from fairseq import utils
 from fairseq.criterions.adaptive_loss import AdaptiveLoss
 
-from kerple_fairseq.precision import precise
+from kerple_core.precision import precise
 
 
 def summed_in_float32(self, model, sample, reduce=True):

@@ -1,0 +1,201 @@
+"""FlexAttention (``torch.nn.attention.flex_attention``): the bias as a score modification.
+
+A block's bias is never laid out. Its distance kernel reaches the fused kernel as the float32
+per-distance values ``[heads, distances]`` that :class:`~kerple_core.attention.distance_bias.DistanceBias`
+computes once per forward, read inside the kernel at ``offset + t - s`` and added to the float32
+score; a weight kernel's ``W`` multiplies the score there too; a layer's own bias adds its term
+(:meth:`~kerple_core.layer_biases.LayerBias.score_term`). Causality, any attention window and
+key padding decide which tiles of the block mask are skipped or taken whole (computed from tile
+indices: no ``queries x keys`` tensor), and give ``-inf`` inside the others through the score
+modification (PyTorch 2.13's CPU compiler miscompiles masks that capture tensors beside a score
+modification). On CUDA, gradients reach the captured tensors (and through them the kernel's
+parameters); on CPU the kernel has no backward, so it serves evaluation only.
+
+Score modifications are small pure functions of ``(score, batch, head, query, key)`` over captured
+tensors. Offsets are captured as one-element tensors and sizes are dynamic, so one compiled kernel
+serves every length and decoding step: a process compiles a bounded number of times
+(:func:`compile_report`).
+"""
+
+import time
+from typing import Callable, NamedTuple, Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention, noop_mask
+except ImportError:  # PyTorch before 2.5
+    BlockMask = flex_attention = noop_mask = None
+
+#: FlexAttention's block of queries and of keys
+BLOCK = 128
+#: dtypes its compiled kernels take
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: ``score_mod(score, batch, head, query, key)`` and ``term(batch, head, query, key)``
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+ScoreTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+#: compiles of FlexAttention a process allows before dynamo falls back to the eager kernel
+RECOMPILE_LIMIT = 64
+#: use ``torch.compile``d FlexAttention (False: the eager one, which materialises the scores)
+COMPILED = True
+_compiled_flex = None
+_compiles = {"count": 0, "seconds": 0.0}
+
+
+def available() -> bool:
+    return flex_attention is not None
+
+
+# ------------------------------------------------------------------ score modifications
+
+
+def distance_of(offset: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+    """Query ``t`` and key ``s`` of a block are ``offset + t - s`` apart (clamped at 0: future keys
+    are masked anyway)."""
+    return lambda query, key: (query + offset[0] - key).clamp(min=0)
+
+
+def distance_bias(values: Tensor, offset: Tensor) -> ScoreMod:
+    """``score + B_h(d)``, ``values`` ``[heads, distances]`` (made contiguous: a captured tensor's
+    strides are part of the compiled kernel, and PyTorch 2.13's CPU compiler fails on some)."""
+    values = values.contiguous()
+    distance = distance_of(offset)
+    return lambda score, b, h, query, key: score + values[h, distance(query, key)]
+
+
+def weighted_distance_bias(values: Tensor, weights: Tensor, offset: Tensor) -> ScoreMod:
+    """``score * W_h(d) + B_h(d)``."""
+    values, weights = values.contiguous(), weights.contiguous()
+    distance = distance_of(offset)
+
+    def score_mod(score, b, h, query, key):
+        d = distance(query, key)
+        return score * weights[h, d] + values[h, d]
+    return score_mod
+
+
+def plus(score_mod: ScoreMod, term: ScoreTerm) -> ScoreMod:
+    """``score_mod`` and then a layer's own bias ``term``."""
+    return lambda score, b, h, query, key: score_mod(score, b, h, query, key) + term(b, h, query, key)
+
+
+def rows_scaled(score_mod: ScoreMod, factor: Tensor) -> ScoreMod:
+    """``score_mod`` with its additive terms (its value at a zero score) multiplied by ``factor[h, query]``:
+    ``score * W + f B`` for ``score * W + B``."""
+    excess = (factor - 1).contiguous()
+
+    def score_mod_scaled(score, b, h, query, key):
+        return score_mod(score, b, h, query, key) + excess[h, query] * score_mod(torch.zeros_like(score), b, h,
+                                                                                  query, key)
+    return score_mod_scaled
+
+
+def masked(score_mod: ScoreMod, seen: Callable) -> ScoreMod:
+    """``score_mod``'s score where ``seen``, else ``-inf``."""
+    return lambda score, b, h, query, key: torch.where(seen(b, h, query, key), score_mod(score, b, h, query, key),
+                                                       float("-inf"))
+
+
+def visible(offset: Tensor, window: int, padding: Optional[Tensor]):
+    """The mask: key ``s`` is visible from query ``t`` if ``0 <= offset + t - s`` (and ``< window``
+    with a window), and is not padding (``padding`` ``[batch, keys]``, True at padding)."""
+    # captured tensors, not Python numbers or booleans, which the CPU compiler mishandles in masks
+    limit = torch.full_like(offset, window)
+    keep = None if padding is None else (~padding).to(torch.int8)
+
+    def causal(b, h, query, key):
+        d = query + offset[0] - key
+        seen = d >= 0
+        if window:
+            seen = seen & (d < limit[0])
+        if padding is not None:
+            seen = seen & (keep[b, key] > 0)
+        return seen
+    return causal
+
+
+# ------------------------------------------------------------------ block mask
+
+
+class Mask(NamedTuple):
+    """Which keys each query sees: ``tiles``, FlexAttention's block mask (tiles skipped, tiles seen
+    whole), and ``visible(batch, head, query, key)``, applied within the other tiles."""
+
+    tiles: "BlockMask"
+    visible: Callable
+
+
+def block_mask(num_queries: int, num_keys: int, offset: int, window: int, device,
+               padding: Optional[Tensor] = None) -> Mask:
+    """The mask of a block of queries: its tiles, computed per ``BLOCK x BLOCK`` tile from the tile's
+    extreme distances (a tile is skipped if no query sees any of its keys, and whole if every query
+    sees every key; exactly ``num_queries x num_keys``, as FlexAttention requires), and
+    :func:`visible`."""
+    query_tiles, key_tiles = -(-num_queries // BLOCK), -(-num_keys // BLOCK)
+    first_query = torch.arange(query_tiles, device=device) * BLOCK
+    last_query = (first_query + BLOCK - 1).clamp(max=num_queries - 1)
+    first_key = torch.arange(key_tiles, device=device) * BLOCK
+    last_key = (first_key + BLOCK - 1).clamp(max=num_keys - 1)
+    nearest = offset + first_query[:, None] - last_key[None, :]  # [query tiles, key tiles]
+    farthest = offset + last_query[:, None] - first_key[None, :]
+    limit = window if window else num_keys + offset + 1
+    some = (farthest >= 0) & (nearest < limit)
+    every = (nearest >= 0) & (farthest < limit)
+    if padding is not None:  # padded keys: the mask is evaluated in every tile
+        every = torch.zeros_like(every)
+    partial = some & ~every
+
+    def indexed(tiles: Tensor) -> Tuple[Tensor, Tensor]:
+        counts = tiles.sum(-1, dtype=torch.int32)
+        # the selected tiles first, in order
+        order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return counts[None, None], order[None, None]
+
+    offset_tensor = torch.full((1,), offset, dtype=torch.int64, device=device)
+    tiles = BlockMask.from_kv_blocks(*indexed(partial), *indexed(every), BLOCK_SIZE=BLOCK, mask_mod=noop_mask,
+                                     seq_lengths=(num_queries, num_keys))
+    return Mask(tiles, visible(offset_tensor, window, padding))
+
+
+# ------------------------------------------------------------------ attention
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod, mask: "Mask") -> Tensor:
+    """``softmax(score_mod(q k^T)) v`` over the visible keys of ``mask``; ``q`` ``[B, H, T, D]`` already scaled."""
+    score_mod = masked(score_mod, mask.visible)
+    mask = mask.tiles
+    if not COMPILED or is_fake(q):  # FakeTensor propagation is what compiling would do
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=1.0)
+    before = _graphs()
+    start = time.perf_counter()
+    # sizes 0 and 1 (one tile, one query, a batch of one) are specialised: a few compiles, more than
+    # dynamo's default limit of 8 only in a process that runs many models; the limit is raised for this
+    # call alone, so torch's settings stay the process's own
+    limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        out = _flex()(q, k, v, score_mod=score_mod, block_mask=mask, scale=1.0)
+    if _graphs() > before:
+        _compiles["count"] += _graphs() - before
+        _compiles["seconds"] += time.perf_counter() - start
+    return out
+
+
+def compile_report() -> Tuple[int, float]:
+    """Compilations of FlexAttention in this process, and the seconds spent in the calls that compiled."""
+    return _compiles["count"], _compiles["seconds"]
+
+
+def _flex():
+    global _compiled_flex
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex
+
+
+def _graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+

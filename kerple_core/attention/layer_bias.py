@@ -1,0 +1,79 @@
+"""A block's distance bias plus the bias one layer builds for itself."""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kerple_core.attention import flex
+from kerple_core.attention.distance_bias import DistanceBlockBias
+from kerple_core.precision import precise
+
+
+class BlockBiasOnTop:
+    """A block's bias built on another's (``base``): the same block, weight and block mask; never given
+    to the kernel gradient backend (it has no per-distance values), and FlexAttention serves it as it
+    serves a layer's own term; its term reads the model's tensors unless a subclass knows otherwise (on
+    CUDA, FlexAttention then serves it only without gradients)."""
+
+    per_head_parameters = False
+    has_layer_term = True
+    term_reads_model_tensors = True
+
+    def __init__(self, base):
+        self.base = base
+
+    @property
+    def block(self):
+        return self.base.block
+
+    @property
+    def has_weight(self) -> bool:
+        return self.base.has_weight
+
+    def weight(self, dtype: torch.dtype, device) -> Optional[Tensor]:
+        return self.base.weight(dtype, device)
+
+    def block_mask(self, device, key_padding_mask: Optional[Tensor] = None):
+        return self.base.block_mask(device, key_padding_mask)
+
+
+class LayerBlockBias(BlockBiasOnTop):
+    """The bias of one block of queries: the distance bias (causal mask, any attention window, the
+    distance kernel) plus a layer's own bias (:class:`~kerple_core.layer_biases.LayerBias`),
+    summed in float32 and cast once, or, for FlexAttention, added as the layer's score term. Offers
+    what the backends ask of a :class:`DistanceBlockBias`; having no per-distance values, it is never
+    given to the kernel gradient backend. ``first_position`` and ``state`` are what
+    :meth:`~kerple_core.layer_biases.LayerBias.block_bias` takes."""
+
+    def __init__(self, base: DistanceBlockBias, layer_bias, first_position: int, state: Optional[Tensor]):
+        super().__init__(base)
+        self.layer_bias = layer_bias
+        self.first_position = first_position
+        self.state = state
+
+    @property
+    def serves_flex(self) -> bool:
+        return self.layer_bias.has_score_term
+
+    @property
+    def term_reads_model_tensors(self) -> bool:
+        """The layer's term reads parameters (FIRE's) or a state (FoX's gates), frozen or not; a term of
+        positions alone (chunked attention's mask) reads neither."""
+        return self.state is not None or any(True for _ in self.layer_bias.parameters())
+
+    @property
+    def only_masks(self) -> bool:
+        """Both biases are 0 wherever they are finite (a mask such as chunked attention on no kernel)."""
+        return self.base.only_masks and not self.layer_bias.encodes_position
+
+    def mask(self, dtype: torch.dtype, device) -> Tensor:
+        """``[heads, queries, keys]`` or ``[batch, heads, queries, keys]``: both biases, ``-inf``
+        for keys a query may not see."""
+        computed = precise(dtype)
+        layer = self.layer_bias.block_bias(self.block, self.first_position, self.state)
+        return (self.base.mask(computed, device) + layer).to(dtype)
+
+    def score_mod(self, dtype: torch.dtype, device) -> flex.ScoreMod:
+        return flex.plus(self.base.score_mod(dtype, device),
+                         self.layer_bias.score_term(self.block, self.first_position, self.state))
