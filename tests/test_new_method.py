@@ -1,5 +1,5 @@
 """The cost of a new attention method: one module of its own. A toy method written into a copy of the
-package, and no other file changed, is found in fairseq-train's options, the model's configuration, the
+core and the plugin, and no other file changed, is found in fairseq-train's options, the model's configuration, the
 comparison's table and the benchmark's models, and trains."""
 
 import shutil
@@ -47,8 +47,10 @@ from pathlib import Path
 
 import torch
 
+import kerple_core
 import kerple_fairseq
 assert Path(kerple_fairseq.__file__).parent == Path(sys.argv[1]), kerple_fairseq.__file__
+assert Path(kerple_core.__file__).parent == Path(sys.argv[1]).parent / "kerple_core", kerple_core.__file__
 from fairseq import options
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq_cli.train import main
@@ -79,9 +81,10 @@ print("toy_gain trained", [g.tolist() for g in gains])
 
 @pytest.mark.slow
 def test_a_method_in_a_module_of_its_own_is_everywhere(data_bin, tmp_path):
+    for name in ("kerple_core", "kerple_fairseq"):
+        shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     package = tmp_path / "kerple_fairseq"
-    shutil.copytree(REPO / "kerple_fairseq", package, ignore=shutil.ignore_patterns("__pycache__"))
-    (package / "attention" / "methods" / "toy_gain.py").write_text(textwrap.dedent(TOY_METHOD))
+    (tmp_path / "kerple_core" / "attention" / "methods" / "toy_gain.py").write_text(textwrap.dedent(TOY_METHOD))
     script = tmp_path / "checks.py"
     script.write_text(CHECKS)
     proc = run([sys.executable, script, package, data_bin, tmp_path / "run"], cwd=tmp_path,
