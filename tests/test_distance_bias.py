@@ -127,3 +127,33 @@ def test_window_needs_a_positive_window():
         DistanceBias(build_kernel("window", 8))
     with pytest.raises(KernelConfigError, match="--attn-window must be >= 0"):
         DistanceBias(build_kernel("alibi", 8), attention_window=-1)
+
+
+def test_frozen_values_are_kept_until_the_parameters_change_and_dropped_on_train_or_move():
+    """While the kernel is frozen its per-distance values are built once and kept, keyed without reading
+    the parameters (kerple_core/attention/frozen.py): an in-place write or load_state_dict builds them
+    anew, equal to the kernel's values then; entering or leaving training and a cast drop them."""
+    bias = distance_bias("kerple_log")
+    bias.eval()
+
+    def values():
+        with torch.no_grad():
+            return bias.distance_values("bias", 16, torch.float32, "cpu")
+
+    first = values()
+    assert values() is first, "kept while frozen"
+    with torch.no_grad():
+        next(bias.kernel.parameters()).add_(0.5)  # as an in-place write does
+    written = values()
+    assert written is not first
+    torch.testing.assert_close(written, bias.per_distance(16).detach())
+    state = {name: t + 0.25 for name, t in bias.state_dict().items()}
+    bias.load_state_dict(state)
+    loaded = values()
+    assert loaded is not written
+    torch.testing.assert_close(loaded, bias.per_distance(16).detach())
+    assert values() is loaded
+    for drop in (lambda: bias.train(), lambda: bias.eval(), lambda: bias.to(torch.float64)):
+        kept = values()
+        drop()
+        assert values() is not kept

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from kerple_core.attention import flex
 from kerple_core.attention.blocks import QueryBlock
+from kerple_core.attention.frozen import KeepsWhileFrozen
 from kerple_core.errors import KernelConfigError
 from kerple_core.kernels import BiasKernel
 from kerple_core.precision import precise
@@ -61,7 +62,7 @@ def toeplitz(per_distance: Tensor, query_len: int, key_len: int, future: float, 
     return out
 
 
-class DistanceBias(nn.Module):
+class DistanceBias(KeepsWhileFrozen):
     """``B_h(i - j)`` for key ``j <= i`` of query ``i``, ``-inf`` for ``j > i`` and, with
     ``attention_window = w > 0``, for ``i - j >= w``; for weight kernels also ``W_h(i - j)``.
 
@@ -172,10 +173,7 @@ class DistanceBias(nn.Module):
         return tensor
 
     def _from_frozen_cache(self, key: Tuple, build: Callable[[], Tensor]) -> Tensor:
-        # keyed on the parameter values themselves: optimisers write through .data, which
-        # leaves no trace in a tensor's version counter, and there are only a few per head
-        values = tuple(tuple(p.detach().flatten().tolist()) for p in self.kernel.parameters())
-        cache_key = key + values
+        cache_key = key + self.frozen_key()  # no read of the values (kerple_core.attention.frozen)
         tensor = self._frozen_cache.get(cache_key)
         if tensor is None:
             tensor = self._frozen_cache[cache_key] = build()
@@ -186,15 +184,8 @@ class DistanceBias(nn.Module):
             self._frozen_cache.move_to_end(cache_key)
         return tensor
 
-    def train(self, mode: bool = True):
-        # entering or leaving training (fairseq does so around every step and validation) drops the cache
+    def drop_kept(self) -> None:
         self._frozen_cache.clear()
-        return super().train(mode)
-
-    def _apply(self, fn, *args, **kwargs):
-        # moving or casting the module invalidates cached tensors
-        self._frozen_cache.clear()
-        return super()._apply(fn, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return f"attention_window={self.attention_window}" if self.attention_window else ""

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kerple_core.attention.blocks import QueryBlock
+from kerple_core.attention.frozen import KeepsWhileFrozen
 from kerple_core.errors import KernelConfigError
 from kerple_core.layer_biases.base import LayerBias, register_layer_bias
 from kerple_core.precision import precise
@@ -31,7 +32,7 @@ class FireOptions:
 
 
 @register_layer_bias("fire")
-class FireBias(LayerBias):
+class FireBias(KeepsWhileFrozen, LayerBias):
     """``b_h(i, j) = MLP(psi(i - j) / (psi(max(L, i)) + eps))_h``, ``psi(x) = log(|c| x + 1)`` (Li et al.,
     "Functional Interpolation for Relative Positions Improves Long Context Transformers", 2023, §3;
     as in the DAPE repository's implementation, whose configs start ``L0`` at 64 for a
@@ -67,6 +68,9 @@ class FireBias(LayerBias):
         self.register_buffer("threshold_base", torch.tensor(float(fire_threshold)))
         self._frozen: Dict[Tuple, Tensor] = {}
 
+    def drop_kept(self) -> None:
+        self._frozen.clear()
+
     def threshold(self) -> Tensor:
         return (self.threshold_multiplier * self.threshold_base).abs()
 
@@ -96,12 +100,11 @@ class FireBias(LayerBias):
     def block_bias(self, block: QueryBlock, first_position: int, state: Optional[Tensor]) -> Tensor:
         """Computed for each block while the parameters learn; while they are frozen (evaluation), the
         last few blocks of up to :data:`FROZEN_CELLS` cells are kept, keyed on the block's geometry and
-        the parameters' values (which optimisers overwrite in place)."""
+        the versions of the parameters and buffers (:mod:`kerple_core.attention.frozen`)."""
         if (torch.is_grad_enabled() and self.c.requires_grad) or block.num_queries * block.num_keys > FROZEN_CELLS:
             return self._block_bias(block, first_position)
-        values = tuple(tuple(p.detach().flatten().tolist()) for p in self.parameters())
         key = (block.num_queries, block.num_keys, block.offset, first_position + block.query_start, self.c.dtype,
-               self.c.device, self.threshold_base.item(), values)
+               self.c.device, self.frozen_key())
         bias = self._frozen.pop(key, None)
         if bias is None:
             bias = self._block_bias(block, first_position)
