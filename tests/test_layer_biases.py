@@ -277,3 +277,32 @@ def test_fire_keeps_frozen_blocks_and_notices_new_parameter_values():
     with torch.no_grad():
         large = QueryBlock(0, 1024, 0, 2048, 1024)
         assert fire.block_bias(large, 0, None) is not fire.block_bias(large, 0, None), "large blocks are not kept"
+
+
+@pytest.mark.parametrize("name", sorted(LAYER_BIASES))
+def test_each_layer_bias_laid_out_is_its_term_read_cell_by_cell(name):
+    """A layer bias is defined once, as FlexAttention's term of a cell's indices; the laid-out block the
+    other backends take is that term at every cell (FIRE lays it out by its MLP, which must agree)."""
+    torch.manual_seed(1)
+    heads, embed, batch = 3, 8, 2
+    bias = build_layer_bias(name, heads, embed, parse_model_args(
+        "transformer_lm_kerple", "--attn-chunk-size", "5", "--tokens-per-sample", "16"))
+    with torch.no_grad():
+        for p in bias.parameters():
+            p.normal_()
+    x = torch.randn(20, batch, embed)
+    state = bias.key_state(x, None)
+    # a call of 12 queries after 8 cached keys; its queries 3..10 against keys 2..18
+    block = QueryBlock(3, 11, 2, 19, 9)
+    first_position = 8
+    laid_out = bias.block_bias(block, first_position, state)
+    term = bias.score_term(block, first_position, state)
+    for b in range(batch):
+        for h in range(heads):
+            for t in range(block.num_queries):
+                for s in range(block.num_keys):
+                    if block.offset + t - s < 0:
+                        continue  # a future key: masked by the causal mask, whatever the bias says
+                    cell = term(*(torch.tensor(i) for i in (b, h, t, s)))
+                    expected = laid_out[b, h, t, s] if laid_out.dim() == 4 else laid_out[h, t, s]
+                    torch.testing.assert_close(cell, expected, rtol=1e-5, atol=1e-5)

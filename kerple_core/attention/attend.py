@@ -1,8 +1,8 @@
 """How one block of queries is attended: the attention math, apart from the module.
 
 :func:`attend` takes a block's queries, keys and values and what biases its scores (a
-:class:`~kerple_core.attention.distance_bias.DistanceBlockBias`, which lays out the
-bias, and the weight of a weight kernel, only when a backend asks) and picks a backend
+:class:`~kerple_core.attention.block_bias.BlockBias`, which lays out the bias, and the
+weight of a weight kernel, only when a backend asks) and picks a backend
 (:func:`choose_backend`, ``--attention-backend``):
 
 - **explicit**: ``softmax(S * W + B) V`` with the scores ``S = q k^T`` materialised; the
@@ -48,7 +48,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kerple_core.attention import flex, kernel_gradient
 from kerple_core.attention.blocks import QueryBlock
-from kerple_core.attention.distance_bias import DistanceBlockBias
+from kerple_core.attention.block_bias import BlockBias
 from kerple_core.precision import precise
 
 #: ``transform(q, scores, bias)``: the logits from the block's queries, scores and bias (DAPE, CoPE)
@@ -93,7 +93,7 @@ class AttentionRecord:
     probabilities: List[Tensor] = field(default_factory=list)
 
 
-def choose_backend(q: Tensor, k: Tensor, bias: DistanceBlockBias, *, preference: str = "auto", dropout: float,
+def choose_backend(q: Tensor, k: Tensor, bias: BlockBias, *, preference: str = "auto", dropout: float,
                    key_padding_mask: Optional[Tensor], need_probabilities: bool, needs_scores: bool = False) -> str:
     """The backend for a block. Explicit wherever scores or probabilities are needed (weights
     requested, an attention method that ``needs_scores``) or asked for. Then FlexAttention where it serves
@@ -114,9 +114,8 @@ def choose_backend(q: Tensor, k: Tensor, bias: DistanceBlockBias, *, preference:
     return "sdpa"
 
 
-def flex_serves(q: Tensor, bias: DistanceBlockBias, dropout: float, key_padding_mask: Optional[Tensor]) -> bool:
-    """FlexAttention can attend the block: a bias it reads (every distance kernel, FIRE, FoX, chunked
-    attention), a dtype it takes (not float64), no attention dropout; on CUDA, heads of at least
+def flex_serves(q: Tensor, bias: BlockBias, dropout: float, key_padding_mask: Optional[Tensor]) -> bool:
+    """FlexAttention can attend the block (every bias has a score modification): a dtype it takes (not float64), no attention dropout; on CUDA, heads of at least
     :data:`FLEX_MIN_HEAD_DIM_CUDA` dimensions, and a term beside the kernel's that reads the model's
     tensors (a layer's parameters or state, SSMax's row factors) only without gradients (PyTorch 2.11
     compiles no backward for FoX's term, which indexes its cumulative gates twice, nor for FIRE's:
@@ -125,7 +124,7 @@ def flex_serves(q: Tensor, bias: DistanceBlockBias, dropout: float, key_padding_
     gradient (it has no CPU backward) and, compiled, neither key padding nor a layer's own bias
     (PyTorch 2.13's CPU compiler fails on terms that read the batch index, as padding and FoX do, and on
     FIRE's)."""
-    if not (flex.available() and bias.serves_flex and dropout == 0.0 and q.dtype in flex.DTYPES):
+    if not (flex.available() and dropout == 0.0 and q.dtype in flex.DTYPES):
         return False
     if q.device.type == "cuda":
         return q.size(-1) >= FLEX_MIN_HEAD_DIM_CUDA and not (torch.is_grad_enabled() and bias.term_reads_model_tensors)
@@ -133,7 +132,7 @@ def flex_serves(q: Tensor, bias: DistanceBlockBias, dropout: float, key_padding_
             and (not flex.COMPILED or (key_padding_mask is None and not bias.has_layer_term)))
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, bias: DistanceBlockBias, *, preference: str = "auto",
+def attend(q: Tensor, k: Tensor, v: Tensor, bias: BlockBias, *, preference: str = "auto",
            dropout: float = 0.0, key_padding_mask: Optional[Tensor] = None, need_probabilities: bool = False,
            score_transform: Optional[ScoreTransform] = None, weights: Optional[AttentionWeights] = None,
            record: Optional[AttentionRecord] = None) -> Tuple[Tensor, Optional[Tensor]]:
@@ -179,7 +178,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: DistanceBlockBias, *, preferen
     return attended, probabilities if need_probabilities else None
 
 
-def biased_scores(q: Tensor, k: Tensor, bias: DistanceBlockBias, key_padding_mask: Optional[Tensor] = None,
+def biased_scores(q: Tensor, k: Tensor, bias: BlockBias, key_padding_mask: Optional[Tensor] = None,
                   score_transform: Optional[ScoreTransform] = None) -> Tensor:
     """``[B, H, T, S]`` logits ``(q k^T) * W + B`` (or ``score_transform`` of ``q``, ``(q k^T) * W``
     and ``B``), ``-inf`` at padded keys. In half precision the bias is added in float32 (the softmax

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from kerple_core.attention import flex
+from kerple_core.attention.block_bias import BlockBias
 from kerple_core.attention.blocks import QueryBlock
 from kerple_core.attention.frozen import KeepsWhileFrozen
 from kerple_core.errors import KernelConfigError
@@ -191,7 +192,7 @@ class DistanceBias(KeepsWhileFrozen):
         return f"attention_window={self.attention_window}" if self.attention_window else ""
 
 
-class DistanceBlockBias:
+class DistanceBlockBias(BlockBias):
     """The bias (and weight) of one :class:`QueryBlock`, laid out only by the backend that needs it.
 
     The fused kernel gradient (:mod:`kerple_core.attention.kernel_gradient`) reads the
@@ -211,13 +212,6 @@ class DistanceBlockBias:
     @property
     def requires_grad(self) -> bool:
         return self.source.parameters_require_grad
-
-    #: FlexAttention serves every distance kernel
-    serves_flex = True
-    #: no layer's own bias is added (FlexAttention's CPU compiler fails on some), nor a term beside the
-    #: kernel's that reads the model's tensors (FlexAttention's CUDA backward fails on some)
-    has_layer_term = False
-    term_reads_model_tensors = False
 
     @property
     def only_masks(self) -> bool:

@@ -24,6 +24,7 @@ pays from about 512 keys on (measured on 2 CPU cores: at 128 keys the unfused pa
 import torch
 from torch import Tensor
 
+from kerple_core.attention.block_bias import BlockBias
 from kerple_core.attention.distance_bias import DistanceBlockBias, toeplitz
 
 FLASH_FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -32,10 +33,11 @@ FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_fo
 MIN_KEYS = 512
 
 
-def applies(q: Tensor, k: Tensor, bias: DistanceBlockBias, dropout: float) -> bool:
-    """On CPU, float32/float64, no attention dropout, at least ``MIN_KEYS`` keys, and a bias of
-    per-head parameters that needs a gradient."""
-    return (FLASH_FORWARD is not None and bias.per_head_parameters and bias.requires_grad and dropout == 0.0
+def applies(q: Tensor, k: Tensor, bias: BlockBias, dropout: float) -> bool:
+    """On CPU, float32/float64, no attention dropout, at least ``MIN_KEYS`` keys, and a distance kernel's
+    bias of per-head parameters that needs a gradient."""
+    return (FLASH_FORWARD is not None and isinstance(bias, DistanceBlockBias) and bias.per_head_parameters
+            and bias.requires_grad and dropout == 0.0
             and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and k.size(2) >= MIN_KEYS)
 
 

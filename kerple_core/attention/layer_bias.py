@@ -6,21 +6,21 @@ import torch
 from torch import Tensor
 
 from kerple_core.attention import flex
+from kerple_core.attention.block_bias import BlockBias
 from kerple_core.attention.distance_bias import DistanceBlockBias
 from kerple_core.precision import precise
 
 
-class BlockBiasOnTop:
+class BlockBiasOnTop(BlockBias):
     """A block's bias built on another's (``base``): the same block, weight and block mask; never given
     to the kernel gradient backend (it has no per-distance values), and FlexAttention serves it as it
     serves a layer's own term; its term reads the model's tensors unless a subclass knows otherwise (on
     CUDA, FlexAttention then serves it only without gradients)."""
 
-    per_head_parameters = False
     has_layer_term = True
     term_reads_model_tensors = True
 
-    def __init__(self, base):
+    def __init__(self, base: BlockBias):
         self.base = base
 
     @property
@@ -51,10 +51,6 @@ class LayerBlockBias(BlockBiasOnTop):
         self.layer_bias = layer_bias
         self.first_position = first_position
         self.state = state
-
-    @property
-    def serves_flex(self) -> bool:
-        return self.layer_bias.has_score_term
 
     @property
     def term_reads_model_tensors(self) -> bool:

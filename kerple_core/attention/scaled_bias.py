@@ -25,10 +25,6 @@ class RowScaledBlockBias(BlockBiasOnTop):
     def only_masks(self) -> bool:
         return self.base.only_masks
 
-    @property
-    def serves_flex(self) -> bool:
-        return self.base.serves_flex
-
     def mask(self, dtype: torch.dtype, device) -> Tensor:
         computed = precise(dtype)
         mask = self.base.mask(computed, device)

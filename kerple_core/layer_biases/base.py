@@ -1,8 +1,10 @@
 """The interface of a bias that each attention layer builds for itself, and its registry."""
 
 import dataclasses
+import itertools
 from typing import ClassVar, Dict, List, Optional, Type
 
+import torch
 from torch import Tensor, nn
 
 from kerple_core.attention.blocks import QueryBlock
@@ -16,9 +18,11 @@ class LayerBias(nn.Module):
     """A bias added to one layer's scaled logits, with parameters of that layer alone.
 
     Unlike a :class:`~kerple_core.kernels.BiasKernel` it may depend on the absolute
-    position of the query and on the layer's input. Attention asks for it one block of
-    queries at a time (:meth:`block_bias`); the causal mask and any attention window are
-    applied by the attention module, so only the cells a query may see matter.
+    position of the query and on the layer's input. A subclass defines it once, cell by cell, as a
+    term of the block's indices (:meth:`score_term`), which FlexAttention reads inside its kernel and
+    from which :meth:`block_bias` lays out a block for the other backends. Attention asks for it one
+    block of queries at a time; the causal mask and any attention window are applied by the
+    attention module, so only the cells a query may see matter.
 
     A bias that depends on the input keeps a per-key state: :meth:`key_state` gives it for
     the new positions of a call from the layer's input and the state of the positions
@@ -52,22 +56,26 @@ class LayerBias(nn.Module):
         positions before them (None at the start); None for a bias without state."""
         return None
 
-    def block_bias(self, block: QueryBlock, first_position: int, state: Optional[Tensor]) -> Tensor:
-        """The float32 bias of one block, ``[heads, queries, keys]`` or ``[batch, heads, queries,
-        keys]``. Query ``t`` of the block is at absolute position ``first_position +
-        block.query_start + t`` and is ``block.offset + t - s`` positions after key ``s``; ``state``
-        is :meth:`key_state` of every key of the call (None for a bias without state). Values at
-        keys a query may not see are ignored."""
-        raise NotImplementedError
-
-    #: :meth:`score_term` is implemented: FlexAttention can serve the bias without laying it out
-    has_score_term: ClassVar[bool] = False
-
     def score_term(self, block: QueryBlock, first_position: int, state: Optional[Tensor]):
-        """:meth:`block_bias` as FlexAttention's term ``(batch, head, query, key) -> bias`` of the block's
-        query and key indices, over captured tensors (never a 0-d one), in float32 (float64 in a
-        float64 module)."""
+        """The bias of one block as a term ``(batch, head, query, key) -> bias`` of the indices of a cell
+        (FlexAttention's form), over captured tensors (never a 0-d one), in float32 (float64 in a float64
+        module), written with operations that broadcast, so that the same term gives every cell at once.
+        Query ``t`` of the block is at absolute position ``first_position + block.query_start + t`` and is
+        ``block.offset + t - s`` positions after key ``s``; ``state`` is :meth:`key_state` of every key of
+        the call (None for a bias without state)."""
         raise NotImplementedError
+
+    def block_bias(self, block: QueryBlock, first_position: int, state: Optional[Tensor]) -> Tensor:
+        """The bias of one block laid out, ``[heads, queries, keys]`` (``[batch, heads, queries, keys]``
+        with a state): :meth:`score_term` at every cell, its indices broadcast against each other. Values
+        at keys a query may not see are ignored."""
+        device = next(itertools.chain(self.parameters(), self.buffers())).device
+        batch = 1 if state is None else state.size(0)
+        cells = (batch, self.num_heads, block.num_queries, block.num_keys)
+        indices = [torch.arange(n, device=device).view([-1 if d == i else 1 for d in range(4)])
+                   for i, n in enumerate(cells)]
+        bias = self.score_term(block, first_position, state)(*indices).expand(cells)
+        return bias if state is not None else bias[0]
 
     #: :meth:`curves` needs the layer's inputs (the bias depends on content)
     curves_need_inputs: ClassVar[bool] = False

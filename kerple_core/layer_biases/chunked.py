@@ -51,17 +51,6 @@ class ChunkedAttention(LayerBias):
         first_query = first_position + block.query_start
         return first_query, first_query - block.offset
 
-    def block_bias(self, block: QueryBlock, first_position: int, state: Optional[Tensor]) -> Tensor:
-        first_query, first_key = self._first_positions(block, first_position)
-        device = self.device_anchor.device
-        queries = torch.arange(first_query, first_query + block.num_queries, device=device) // self.chunk_size
-        keys = torch.arange(first_key, first_key + block.num_keys, device=device) // self.chunk_size
-        outside = queries[:, None] != keys[None, :]
-        bias = torch.zeros(outside.shape, device=device).masked_fill_(outside, float("-inf"))
-        return bias.expand(self.num_heads, -1, -1)
-
-    has_score_term = True
-
     def score_term(self, block: QueryBlock, first_position: int, state: Optional[Tensor]):
         first_query, first_key = self._first_positions(block, first_position)
         device = self.device_anchor.device

@@ -43,14 +43,6 @@ class ForgetGates(LayerBias):
         state = torch.cumsum(log_forget, dim=-1)
         return state if previous is None else state + previous[..., -1:]
 
-    def block_bias(self, block: QueryBlock, first_position: int, state: Optional[Tensor]) -> Tensor:
-        first_query = block.key_start + block.offset  # the block's first query, as a key index
-        queries = state[:, :, first_query:first_query + block.num_queries]
-        keys = state[:, :, block.key_start:block.key_end]
-        return queries[..., :, None] - keys[..., None, :]
-
-    has_score_term = True
-
     def score_term(self, block: QueryBlock, first_position: int, state: Optional[Tensor]):
         keys = state[:, :, block.key_start:block.key_end].contiguous()
         offset = torch.full((1,), block.offset, dtype=torch.int64, device=state.device)
