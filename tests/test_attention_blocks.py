@@ -7,6 +7,7 @@ import torch
 from helpers import VOCAB, tiny_model
 from kerple_core.attention.blocks import CPU_BLOCK_SCORES, MIN_CPU_BLOCK, effective_block_size, query_blocks
 from kerple_core.attention.distance_bias import DistanceBias, toeplitz
+from kerple_core.visibility import Visibility
 
 CASES = [
     ("kerple_log", []), ("kerple_power", []), ("kerple_bias_wht", []), ("alibi_rf", ["--alibi-rf-learnable-rho"]),
@@ -107,7 +108,7 @@ def test_window_blocks_touch_only_keys_inside_the_window(window, length):
     model = tiny_model("alibi", "--attn-window", str(window), "--attention-block-size", "256")
     block = model.decoder.setup.block_size_now()
     assert block == min(256, max(window, 64))
-    blocks = query_blocks(length, length, block, window)
+    blocks = query_blocks(length, length, block, Visibility(window=window))
     assert [b.query_start for b in blocks] == list(range(0, length, block)) and blocks[-1].query_end == length
     for b in blocks:
         assert b.key_start == max(0, b.query_start - window + 1), "the first key the block's first query sees"
@@ -126,7 +127,7 @@ def test_window_blocks_touch_only_keys_inside_the_window(window, length):
 def test_blocks_cover_every_query_once_and_every_key_it_may_see(num_queries, num_keys, block_size, window):
     """Dense attention, incremental decoding (queries after a cache) and long sequences: the
     blocks partition the queries, and each query's keys (causal, in its window) lie in its block's."""
-    blocks = query_blocks(num_queries, num_keys, block_size, window)
+    blocks = query_blocks(num_queries, num_keys, block_size, Visibility(window=window))
     assert len(blocks) == (1 if block_size == 0 or num_queries <= block_size else -(-num_queries // block_size))
     covered = []
     for b in blocks:

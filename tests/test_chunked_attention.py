@@ -3,13 +3,16 @@ scored as the same model scores that chunk alone, every backend equal to the exp
 refuses, and padded queries that see no key (half precision at long lengths: test_layer_biases.py)."""
 
 import math
+from argparse import Namespace
 
 import pytest
 import torch
 
 from kerple_core.attention.blocks import query_blocks
+from kerple_core.attention.distance_bias import DistanceBias
+from kerple_core.kernels import build_kernel
+from kerple_core.visibility import Visibility, build_visibility_rule
 from kerple_fairseq.errors import KernelConfigError
-from kerple_core.layer_biases import build_layer_bias
 
 from helpers import tiny_model
 from test_layer_biases import log_probs, tokens_of
@@ -17,29 +20,36 @@ from test_layer_biases import log_probs, tokens_of
 CHUNK = 8
 
 
-def chunk_mask_by_loops(chunk, first_position, block):
-    """``[queries, keys]``: 0 where query and key share a chunk of absolute positions, else -inf (float64)."""
+def chunk_mask_by_loops(chunk, window, first_position, block):
+    """``[queries, keys]``: 0 where the key is not after the query, within the window, and in the query's chunk
+    of absolute positions, else -inf (float64)."""
     rows = []
     for t in range(block.num_queries):
         i = first_position + block.query_start + t
         row = []
         for s in range(block.num_keys):
-            j = i - (block.offset + t - s)
-            row.append(0.0 if math.floor(i / chunk) == math.floor(j / chunk) else -math.inf)
+            distance = block.offset + t - s
+            j = i - distance
+            seen = distance >= 0 and (not window or distance < window) and math.floor(i / chunk) == math.floor(j / chunk)
+            row.append(0.0 if seen else -math.inf)
         rows.append(row)
     return torch.tensor(rows, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("first_position", [0, 5, 13])
 @pytest.mark.parametrize("block_size, window", [(0, 0), (4, 0), (4, 6)])
-def test_the_mask_is_the_definition(first_position, block_size, window):
-    bias = build_layer_bias("chunked", 3, 12, type("Cfg", (), {"attn_chunk_size": 5})())
+def test_the_mask_is_the_definition_and_blocks_read_no_earlier_chunk(first_position, block_size, window):
+    visibility = Visibility(window=window, rules=(build_visibility_rule("chunked", Namespace(attn_chunk_size=5)),))
+    bias = DistanceBias(build_kernel("none", 3), visibility)
     num_queries = 11
     # the call's queries are the last of its keys: key 0 at absolute position 0, query 0 at first_position
-    for block in query_blocks(num_queries, first_position + num_queries, block_size, window):
-        out = bias.block_bias(block, first_position, None)
+    for block in query_blocks(num_queries, first_position + num_queries, block_size, visibility):
+        first_query = first_position + block.query_start
+        assert block.key_start == max(first_query - first_query % 5, first_query - window + 1 if window else 0)
+        view = bias.for_block(block, first_position + num_queries, shared=False, first_query=first_query)
+        out = view.mask(torch.float32, "cpu")
         assert out.shape == (3, block.num_queries, block.num_keys) and out.dtype == torch.float32
-        expected = chunk_mask_by_loops(5, first_position, block)
+        expected = chunk_mask_by_loops(5, window, first_position, block)
         for head in range(3):
             torch.testing.assert_close(out[head].double(), expected, rtol=0, atol=0)
 
@@ -79,12 +89,13 @@ def test_a_plan_puts_chunks_in_the_rotary_layers_only():
                        "--attn-chunk-size", str(CHUNK))
     layers = [layer.self_attn for layer in model.decoder.layers]
     assert [a.setup.rotary is not None for a in layers] == [True, True, False, True]
-    assert [getattr(a.layer_bias, "chunk_size", None) for a in layers] == [CHUNK, CHUNK, None, CHUNK]
+    chunks = [[rule.chunk_size for rule in a.setup.visibility.rules] for a in layers]
+    assert chunks == [[CHUNK], [CHUNK], [], [CHUNK]] and all(a.layer_bias is None for a in layers)
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--attn-chunk-size", "0"], "--attn-chunk-size must be >= 1"),
-    (["--ssmax"], "--ssmax counts the keys each query sees, which the chunked bias limits by position"),
+    (["--ssmax"], "--ssmax counts the keys each query sees, which chunked attention limits by position"),
 ])
 def test_bad_combinations_are_clear_errors(flags, message):
     with pytest.raises(KernelConfigError, match=message):

@@ -176,12 +176,13 @@ def test_flex_attention_leaves_torchs_compiler_settings_as_they_were(how, monkey
     import torch
 
     from kerple_core.attention import flex
+    from kerple_core.visibility import GLOBAL
 
     if not flex.available():
         pytest.fail("this torch has no FlexAttention")
     monkeypatch.setattr(flex, "COMPILED", how == "compiled")
     before = torch._dynamo.config.get_config_copy()
     q = torch.randn(1, 2, 8, 16)
-    mask = flex.block_mask(8, 8, 0, 0, q.device)
+    mask = flex.block_mask(GLOBAL, 8, 8, 0, 0, q.device)
     flex.attend(q, q, q, flex.distance_bias(torch.zeros(2, 8), torch.zeros(1, dtype=torch.long)), mask)
     assert torch._dynamo.config.get_config_copy() == before

@@ -11,6 +11,7 @@ from kerple_core.attention.blocks import QueryBlock, query_blocks
 from kerple_core.attention.distance_bias import DistanceBias
 from kerple_fairseq.errors import KernelConfigError
 from kerple_core.kernels import KERNELS, build_kernel
+from kerple_core.visibility import Visibility
 
 WINDOW = 7  # the window kernel's --attn-window here
 NAMES = sorted(KERNELS)
@@ -20,7 +21,7 @@ def distance_bias(name, heads=8, attention_window=0):
     torch.manual_seed(3)
     kernel = build_kernel(name, heads, argparse.Namespace(), head_dim=16)
     window = attention_window or (WINDOW if kernel.requires_window else 0)
-    return DistanceBias(kernel, attention_window=window)
+    return DistanceBias(kernel, Visibility(window=window))
 
 
 def laid_out(bias, block, kind="bias", num_distances=None):
@@ -60,7 +61,7 @@ def test_incremental_rows_and_blocks_are_rows_of_the_full_bias(name):
         for new in (1, 7):
             (block,) = query_blocks(new, 40)
             torch.testing.assert_close(laid_out(bias, block, kind, 40), full[:, -new:, :], rtol=0, atol=0)
-        for block in query_blocks(40, 40, block_size=16, attention_window=bias.attention_window):
+        for block in query_blocks(40, 40, block_size=16, visibility=bias.visibility):
             torch.testing.assert_close(
                 laid_out(bias, block, kind, 40),
                 full[:, block.query_start:block.query_end, block.key_start:block.key_end], rtol=0, atol=0)
@@ -126,7 +127,7 @@ def test_window_needs_a_positive_window():
     with pytest.raises(KernelConfigError, match="--bias-kernel window needs --attn-window W > 0"):
         DistanceBias(build_kernel("window", 8))
     with pytest.raises(KernelConfigError, match="--attn-window must be >= 0"):
-        DistanceBias(build_kernel("alibi", 8), attention_window=-1)
+        DistanceBias(build_kernel("alibi", 8), Visibility(window=-1))
 
 
 def test_frozen_values_are_kept_until_the_parameters_change_and_dropped_on_train_or_move():

@@ -14,6 +14,8 @@ from kerple_core.attention.blocks import QueryBlock
 from kerple_core.attention.layer_bias import LayerBlockBias
 from kerple_fairseq.errors import KernelConfigError
 from kerple_core.layer_biases import layer_bias_names
+from kerple_core.visibility import Visibility
+from kerple_core.visibility.chunked import ChunkedAttention
 
 #: the fast tier: a distance kernel, a weight kernel and a layer bias on the eager kernel, one
 #: method compiled (every method both ways in the slow tier)
@@ -138,27 +140,34 @@ def test_compiles_are_bounded_over_lengths_and_decoding(monkeypatch):
     assert seconds > 0
 
 
-def test_block_mask_is_exact_and_skips_tiles():
+@pytest.mark.parametrize("queries, keys, offset, first_key, window, chunk", [
+    (300, 300, 0, 0, 0, 0), (1, 700, 699, 0, 0, 0), (200, 520, 320, 0, 150, 0), (129, 257, 128, 0, 0, 0),
+    (64, 64, 0, 0, 1, 0), (600, 600, 0, 0, 0, 200), (300, 500, 200, 100, 0, 130), (256, 700, 444, 0, 300, 256)])
+def test_block_mask_is_exact_and_skips_tiles(queries, keys, offset, first_key, window, chunk):
     """The tiles of the block mask against the mask itself: a tile is listed iff some query sees some
-    key in it, and full iff every query sees every key; the mask's own size is the block's."""
-    for queries, keys, offset, window in [(300, 300, 0, 0), (1, 700, 699, 0), (200, 520, 320, 150),
-                                          (129, 257, 128, 0), (64, 64, 0, 1)]:
-        mask = flex.block_mask(queries, keys, offset, window, "cpu").tiles
-        assert mask.seq_lengths == (queries, keys)
-        t, s = torch.arange(queries)[:, None], torch.arange(keys)[None, :]
-        d = offset + t - s
-        seen = (d >= 0) & ((d < window) if window else True)
-        tiles = seen.new_zeros(mask.kv_num_blocks.size(-1), -(-keys // flex.BLOCK))
-        full = tiles.clone()
-        for qt in range(tiles.size(0)):
-            for kt in range(tiles.size(1)):
-                cell = seen[qt * flex.BLOCK:(qt + 1) * flex.BLOCK, kt * flex.BLOCK:(kt + 1) * flex.BLOCK]
-                tiles[qt, kt], full[qt, kt] = cell.any(), cell.all()
-        for qt in range(tiles.size(0)):
-            partial = mask.kv_indices[0, 0, qt, :mask.kv_num_blocks[0, 0, qt]].tolist()
-            complete = mask.full_kv_indices[0, 0, qt, :mask.full_kv_num_blocks[0, 0, qt]].tolist()
-            assert sorted(partial + complete) == tiles[qt].nonzero().flatten().tolist()
-            assert sorted(complete) == full[qt].nonzero().flatten().tolist()
+    key in it, and full iff every query sees every key (the tiles beyond a window or of another chunk
+    skipped); the mask's own size is the block's. The block's first key is at position ``first_key``."""
+    rules = (ChunkedAttention(chunk),) if chunk else ()
+    mask = flex.block_mask(Visibility(window=window, rules=rules), queries, keys, offset, first_key + offset,
+                           "cpu").tiles
+    assert mask.seq_lengths == (queries, keys)
+    t, s = torch.arange(queries)[:, None], torch.arange(keys)[None, :]
+    d = offset + t - s
+    i, j = first_key + offset + t, first_key + s
+    seen = (d >= 0) & ((d < window) if window else True) & ((i // chunk == j // chunk) if chunk else True)
+    tiles = seen.new_zeros(mask.kv_num_blocks.size(-1), -(-keys // flex.BLOCK))
+    full = tiles.clone()
+    for qt in range(tiles.size(0)):
+        for kt in range(tiles.size(1)):
+            cell = seen[qt * flex.BLOCK:(qt + 1) * flex.BLOCK, kt * flex.BLOCK:(kt + 1) * flex.BLOCK]
+            tiles[qt, kt], full[qt, kt] = cell.any(), cell.all()
+    for qt in range(tiles.size(0)):
+        partial = mask.kv_indices[0, 0, qt, :mask.kv_num_blocks[0, 0, qt]].tolist()
+        complete = mask.full_kv_indices[0, 0, qt, :mask.full_kv_num_blocks[0, 0, qt]].tolist()
+        assert sorted(partial + complete) == tiles[qt].nonzero().flatten().tolist()
+        assert sorted(complete) == full[qt].nonzero().flatten().tolist()
+    if chunk:
+        assert not tiles.all(), "the tiles of other chunks are skipped"
 
 
 def test_where_flex_is_chosen():

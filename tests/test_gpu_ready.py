@@ -225,7 +225,7 @@ def test_incremental_decoding_stays_on_the_device(flags):
     assert watch.failures == []
     assert watch.answered == set(ANSWERS)
     layers = [state for state in cache.values() if "prev_key" in state]
-    kept = min(DECODING_STEPS, model.decoder.setup.cache_size or DECODING_STEPS)
+    kept = min(DECODING_STEPS, model.decoder.setup.visibility.cache or DECODING_STEPS)
     assert len(layers) == len(model.decoder.layers) and all(s["prev_key"].size(2) == kept for s in layers)
     assert all(t.device == DEVICE for state in layers for t in state.values() if isinstance(t, torch.Tensor))
     assert all(state["positions_seen"] == DECODING_STEPS for state in layers), "a host int, not a tensor"

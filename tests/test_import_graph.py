@@ -26,6 +26,7 @@ FLOORS = [
     (f"{CORE}.errors", f"{CORE}.quiet", f"{CORE}.precision"),  # its error type; library notices kept quiet;
     #                                                             the precision computed in
     (f"{CORE}.kernels",),  # the distance kernels
+    (f"{CORE}.visibility",),  # which keys each query sees: a layer's window, chunk and cache, said once
     (f"{CORE}.attention",),  # attention with a positional bias (of kernels), and the attention methods
     (f"{CORE}.layer_biases",),  # the biases an attention layer builds for itself, block by block
     #                             (attention.blocks); attention is given them by the model

@@ -15,6 +15,7 @@ from kerple_core.attention.blocks import QueryBlock
 from kerple_core.attention.distance_bias import DistanceBias, toeplitz
 from kerple_core.attention.kernel_gradient import attend_with_kernel_gradient, rows_seeing_a_key
 from kerple_core.kernels import KERNELS, BiasKernel, build_kernel
+from kerple_core.visibility import Visibility
 from test_attention_blocks import REFERENCE, loss_and_gradients, pair
 
 PER_HEAD = sorted(name for name, cls in KERNELS.items() if cls.per_head_parameters)
@@ -51,7 +52,7 @@ def test_tangents_are_the_per_head_jacobian(name, window):
     """Element h of every parameter moves head h's bias alone, and ``tangents`` is that derivative."""
     torch.manual_seed(0)
     kernel = build_kernel(name, 4, kernel_options()).double()
-    bias = DistanceBias(kernel, attention_window=window)
+    bias = DistanceBias(kernel, Visibility(window=window))
     distances = 20
     tangents = bias.tangents(distances)
     parameters = list(kernel.parameters())
@@ -122,7 +123,7 @@ def test_fused_gradient_equals_autograd_through_the_bias(kernel_name, window, qu
     with torch.no_grad():
         for p in kernel.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    bias = DistanceBias(kernel, attention_window=window)
+    bias = DistanceBias(kernel, Visibility(window=window))
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 4, n, 8, generator=g, dtype=torch.float64, requires_grad=True)
                for n in (query_len, key_len, key_len))

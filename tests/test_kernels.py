@@ -343,22 +343,24 @@ def test_every_kernel_documents_formula_and_paper_section():
 
 
 def test_readme_lists_every_kernel_method_and_option():
-    """A row per kernel and layer bias (by name) and per attention method (each of its command lines, the
+    """A row per kernel, layer bias and visibility rule (by name) and per attention method (each of its command lines, the
     first cell starting with it), every option of each in the README; the rotary family's by hand."""
     from conftest import REPO
     from kerple_core.attention.methods import ATTENTION_METHODS, attention_method_option_fields
     from kerple_core.attention.rotary import ROTARY_SCALINGS
     from kerple_core.kernels import option_fields
     from kerple_core.layer_biases import LAYER_BIASES, layer_bias_option_fields
+    from kerple_core.visibility import VISIBILITY_RULES, visibility_rule_option_fields
 
     readme = (REPO / "README.md").read_text()
     scalings = [f"--rotary-scaling {name}" for name in ROTARY_SCALINGS if name != "none"]
-    for name in [*KERNELS, *LAYER_BIASES, "--rotary-xpos", "--rotary-fraction p", *scalings]:
+    for name in [*KERNELS, *LAYER_BIASES, *VISIBILITY_RULES, "--rotary-xpos", "--rotary-fraction p", *scalings]:
         assert f"| `{name}` |" in readme, f"README's method table lacks {name}"
     for method in ATTENTION_METHODS.values():
         for flags in method.command_lines().values():
             assert f"| `{' '.join(flags)}`" in readme, f"README's method table lacks {method.name} ({' '.join(flags)})"
-    for f in option_fields() + layer_bias_option_fields() + attention_method_option_fields():
+    for f in option_fields() + layer_bias_option_fields() + visibility_rule_option_fields() + \
+            attention_method_option_fields():
         flag = "--" + f.name.replace("_", "-")
         assert flag in readme, f"README does not mention {flag}"
     for flag in ("--xpos-scale-base", "--rotary-scaling-length", "--dynamic-ntk-step", "--rerope-window",

@@ -10,6 +10,7 @@ from kerple_fairseq.errors import KernelConfigError
 from kerple_core.layer_biases import LAYER_BIASES, build_layer_bias
 from kerple_core.layer_biases.fire import FireBias
 from kerple_core.layer_biases.fox import ForgetBiasOnly, ForgetGateBias
+from kerple_core.visibility import VISIBILITY_RULES
 
 from helpers import VOCAB, parse_model_args, tiny_model
 
@@ -238,7 +239,8 @@ HALF_PRECISION_FLAGS = {"chunked": ["--attn-chunk-size", "64", "--rotary-embeddi
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [(name, HALF_PRECISION_FLAGS.get(name, [])) for name in sorted(LAYER_BIASES)]
+@pytest.mark.parametrize("case", [(name, HALF_PRECISION_FLAGS.get(name, []))
+                                  for name in sorted(LAYER_BIASES) + sorted(VISIBILITY_RULES)]
                          + [("alibi", ["--dape", "mlp"]), ("kerple_log", ["--dape", "conv"])], ids=method_id)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_at_long_lengths_is_finite_and_close(case, dtype):

@@ -79,14 +79,99 @@ print("toy_gain trained", [g.tolist() for g in gains])
 '''
 
 
+TOY_RULE = '''
+"""A toy visibility rule: each query sees the keys of its own stretch of positions and of the one before."""
+
+from dataclasses import dataclass, field
+
+from kerple_core.visibility.base import VisibilityRule, register_visibility_rule
+
+
+@dataclass
+class ToyStretchesOptions:
+    toy_stretch: int = field(default=4, metadata={"help": "toy: positions per stretch"})
+
+
+@register_visibility_rule("toy_stretches")
+class ToyStretches(VisibilityRule):
+    """f(i) = s (floor(i / s) - 1): the query's stretch of s positions and the one before."""
+
+    options = ToyStretchesOptions
+
+    def __init__(self, toy_stretch=4):
+        self.stretch = toy_stretch
+
+    def constants(self):
+        return {"stretch": self.stretch}
+
+    @staticmethod
+    def first_key(positions, stretch):
+        return (positions // stretch - 1) * stretch
+'''
+
+RULE_CHECKS = '''
+import sys
+from pathlib import Path
+
+import torch
+
+import kerple_fairseq
+assert Path(kerple_fairseq.__file__).parent == Path(sys.argv[1]), kerple_fairseq.__file__
+from fairseq import options
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq_cli.train import main
+
+from kerple_fairseq.experiments.position_encodings import position_encoding
+from fairseq.checkpoint_utils import load_model_ensemble
+from kerple_fairseq.models.config import KernelBiasedLMConfig
+
+data_bin, save_dir = sys.argv[2], sys.argv[3]
+encoding = position_encoding("toy_stretches")
+assert encoding.model_flags() == ["--arch", "transformer_lm_kerple", "--bias-kernel", "toy_stretches"]
+assert "toy_stretch" in KernelBiasedLMConfig.__dataclass_fields__
+flags = [data_bin, "--user-dir", sys.argv[1], "--task", "language_modeling", *encoding.model_flags(),
+         "--toy-stretch", "3", "--decoder-layers", "2", "--decoder-embed-dim", "32",
+         "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--tokens-per-sample", "32",
+         "--max-tokens", "256", "--optimizer", "adam", "--lr", "0.001", "--cpu", "--max-update", "2",
+         "--num-workers", "0", "--disable-validation", "--no-epoch-checkpoints", "--save-dir", save_dir,
+         "--distributed-world-size", "1"]
+args = options.parse_args_and_arch(options.get_training_parser(), flags)
+main(convert_namespace_to_omegaconf(args))
+[model], _ = load_model_ensemble([str(Path(save_dir) / "checkpoint_last.pt")])
+visibility = model.decoder.layers[0].self_attn.setup.visibility
+assert [type(rule).name for rule in visibility.rules] == ["toy_stretches"] and visibility.rules[0].stretch == 3
+# stretches of 3: the query at 10 sees keys 6 to 10, the one at 2 keys 0 to 2
+seen = visibility.seen(0, 21, 0, 21, "cpu")
+assert seen[10].nonzero().flatten().tolist() == list(range(6, 11)) and seen[2].nonzero().flatten().tolist() == [0, 1, 2]
+print("toy_stretches trained")
+'''
+
+
+def copy_with(tmp_path, folder, name, source):
+    """The core and the plugin copied into ``tmp_path``, with module ``name`` of ``source`` written into the
+    core's ``folder`` and no other file changed; the copied plugin's folder."""
+    for package in ("kerple_core", "kerple_fairseq"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "kerple_core" / folder / f"{name}.py").write_text(textwrap.dedent(source))
+    return tmp_path / "kerple_fairseq"
+
+
+def run_checks(tmp_path, package, checks, data_bin):
+    script = tmp_path / "checks.py"
+    script.write_text(checks)
+    return run([sys.executable, script, package, data_bin, tmp_path / "run"], cwd=tmp_path,
+               env={"PYTHONPATH": str(tmp_path), "PATH": ""})
+
+
 @pytest.mark.slow
 def test_a_method_in_a_module_of_its_own_is_everywhere(data_bin, tmp_path):
-    for name in ("kerple_core", "kerple_fairseq"):
-        shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
-    package = tmp_path / "kerple_fairseq"
-    (tmp_path / "kerple_core" / "attention" / "methods" / "toy_gain.py").write_text(textwrap.dedent(TOY_METHOD))
-    script = tmp_path / "checks.py"
-    script.write_text(CHECKS)
-    proc = run([sys.executable, script, package, data_bin, tmp_path / "run"], cwd=tmp_path,
-               env={"PYTHONPATH": str(tmp_path), "PATH": ""})
-    assert "toy_gain trained" in proc.stdout
+    package = copy_with(tmp_path, "attention/methods", "toy_gain", TOY_METHOD)
+    assert "toy_gain trained" in run_checks(tmp_path, package, CHECKS, data_bin).stdout
+
+
+@pytest.mark.slow
+def test_a_visibility_rule_in_a_module_of_its_own_is_everywhere(data_bin, tmp_path):
+    """A chunk-like rule of which keys a query sees, one file: an option of fairseq-train, a model of the
+    comparison's table, and a model that trains."""
+    package = copy_with(tmp_path, "visibility", "toy_stretches", TOY_RULE)
+    assert "toy_stretches trained" in run_checks(tmp_path, package, RULE_CHECKS, data_bin).stdout

@@ -120,7 +120,7 @@ def flex_serves(q: Tensor, bias: BlockBias, dropout: float, key_padding_mask: Op
     tensors (a layer's parameters or state, SSMax's row factors) only without gradients (PyTorch 2.11
     compiles no backward for FoX's term, which indexes its cumulative gates twice, nor for FIRE's:
     measured on an H200, the first NotImplementedError, the second a FakeTensor assertion; through
-    chunked attention's mask, a term of positions alone, it does: measured on an H100); on CPU, no
+    chunked attention's mask of positions it does: measured on an H100); on CPU, no
     gradient (it has no CPU backward) and, compiled, neither key padding nor a layer's own bias
     (PyTorch 2.13's CPU compiler fails on terms that read the batch index, as padding and FoX do, and on
     FIRE's)."""

@@ -4,8 +4,8 @@ One call of self-attention has ``num_queries`` new queries and ``num_keys`` keys
 cache included); the queries are the last ``num_queries`` positions of the keys. Dense
 attention is one block of every query; incremental decoding is one block of the new
 queries at an offset; a long sequence is split into blocks of ``block_size`` queries,
-so no ``queries x keys`` tensor exists, and with an attention window a block sees only
-the keys inside it.
+so no ``queries x keys`` tensor exists, and a block reads no key before the first one its
+first query sees (:class:`~kerple_core.visibility.Visibility`: a window's, a chunk's).
 """
 
 from dataclasses import dataclass
@@ -13,6 +13,8 @@ from typing import List, Sequence
 
 import torch
 from torch import Tensor
+
+from kerple_core.visibility import GLOBAL, Visibility
 
 #: smallest block of queries under an attention window: smaller blocks cost more in
 #: per-block overhead than the keys they skip save
@@ -67,13 +69,14 @@ def effective_block_size(block_size: int, attention_window: int, scores_per_quer
     return block_size
 
 
-def query_blocks(num_queries: int, num_keys: int, block_size: int = 0, attention_window: int = 0,
-                 starts: Sequence[int] = ()) -> List[QueryBlock]:
+def query_blocks(num_queries: int, num_keys: int, block_size: int = 0, visibility: Visibility = GLOBAL,
+                 starts: Sequence[int] = (), key_position: int = 0) -> List[QueryBlock]:
     """The blocks of one call: all queries at once when ``block_size`` is 0 or covers them,
     otherwise consecutive blocks of ``block_size`` queries; a block also starts at each query
     index in ``starts`` (queries that must not share a block with the ones before them). A
     block's keys end with its last query (causality) and start at the first key its first query
-    sees (the window's)."""
+    sees under ``visibility``; ``key_position``: the absolute position of the call's key 0 (a
+    chunk's keys depend on it)."""
     if num_queries < 1 or num_keys < num_queries:
         raise ValueError(f"{num_queries} queries need at least as many keys, got {num_keys}")
     first_position = num_keys - num_queries  # of query 0, counted from key 0
@@ -82,6 +85,7 @@ def query_blocks(num_queries: int, num_keys: int, block_size: int = 0, attention
     blocks = []
     for start, end in zip(bounds, bounds[1:] + [num_queries]):
         position = first_position + start
-        key_start = max(0, position - attention_window + 1) if attention_window else 0
+        key_start = max(0, visibility.first_key_at(key_position + position) - key_position) \
+            if visibility.window or visibility.by_position else 0
         blocks.append(QueryBlock(start, end, key_start, first_position + end, position - key_start))
     return blocks

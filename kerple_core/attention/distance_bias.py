@@ -13,6 +13,8 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Callable, Dict, Optional, Tuple
 
+import dataclasses
+
 import torch
 from torch import Tensor, nn
 
@@ -23,6 +25,7 @@ from kerple_core.attention.frozen import KeepsWhileFrozen
 from kerple_core.errors import KernelConfigError
 from kerple_core.kernels import BiasKernel
 from kerple_core.precision import precise
+from kerple_core.visibility import GLOBAL, Visibility
 
 TOEPLITZ_ROWS_AT_ONCE = 16  # rows of a non-square block laid out per copy (bounds the temporary)
 FROZEN_CACHE_SIZE = 2  # results kept per kind while the parameters are frozen
@@ -64,30 +67,38 @@ def toeplitz(per_distance: Tensor, query_len: int, key_len: int, future: float, 
 
 
 class DistanceBias(KeepsWhileFrozen):
-    """``B_h(i - j)`` for key ``j <= i`` of query ``i``, ``-inf`` for ``j > i`` and, with
-    ``attention_window = w > 0``, for ``i - j >= w``; for weight kernels also ``W_h(i - j)``.
+    """``B_h(i - j)`` for the keys ``j`` query ``i`` sees (``visibility``: at least ``j <= i``), ``-inf``
+    for the others; for weight kernels also ``W_h(i - j)``. A window, which depends on the distance
+    alone, is laid out with the per-distance values (``-inf`` from ``w`` on); a rule of positions (a
+    chunk) is applied to each block's cells.
 
     :meth:`for_block` hands attention one :class:`DistanceBlockBias` per block of queries.
     """
 
-    def __init__(self, kernel: BiasKernel, attention_window: int = 0):
+    def __init__(self, kernel: BiasKernel, visibility: Visibility = GLOBAL):
         super().__init__()
         self.kernel = kernel
         self._forward_memo: Optional[Dict[Tuple, Tensor]] = None
         self._frozen_cache: "OrderedDict[Tuple, Tensor]" = OrderedDict()
-        self.set_attention_window(attention_window)
+        self.set_visibility(visibility)
 
-    def set_attention_window(self, attention_window: int) -> None:
-        """Let each query see only its ``attention_window`` most recent keys, itself included
-        (0: every earlier key); also at evaluation, on a trained model."""
-        if attention_window < 0:
-            raise KernelConfigError(f"--attn-window must be >= 0 (0: no window), got {attention_window}")
-        if self.kernel.requires_window and attention_window == 0:
+    def set_visibility(self, visibility: Visibility) -> None:
+        """Which keys each query sees; also at evaluation, on a trained model."""
+        if self.kernel.requires_window and visibility.window == 0:
             raise KernelConfigError(
                 f"--bias-kernel {self.kernel.name} needs --attn-window W > 0 (the number of most recent "
                 "keys each query sees)")
-        self.attention_window = attention_window
+        self.visibility = visibility
         self._frozen_cache.clear()
+
+    def set_attention_window(self, attention_window: int) -> None:
+        """Let each query see only its ``attention_window`` most recent keys, itself included
+        (0: every earlier key), the rest of the visibility kept."""
+        self.set_visibility(dataclasses.replace(self.visibility, window=attention_window))
+
+    @property
+    def attention_window(self) -> int:
+        return self.visibility.window
 
     @contextmanager
     def forward_scope(self):
@@ -101,11 +112,14 @@ class DistanceBias(KeepsWhileFrozen):
             if outermost:
                 self._forward_memo = None
 
-    def for_block(self, block: QueryBlock, num_distances: int, shared: bool) -> "DistanceBlockBias":
+    def for_block(self, block: QueryBlock, num_distances: int, shared: bool,
+                  first_query: Optional[int] = None) -> "DistanceBlockBias":
         """The bias of one block of a call whose keys span ``num_distances`` distances
-        (the per-distance values are computed once for all its blocks). ``shared``: every
+        (the per-distance values are computed once for all its blocks), its first query at position
+        ``first_query`` (by default its offset: the block's first key at position 0). ``shared``: every
         layer attends this very block in this forward, so it is laid out once."""
-        return DistanceBlockBias(self, block, num_distances, shared)
+        return DistanceBlockBias(self, block, num_distances, shared,
+                                 block.offset if first_query is None else first_query)
 
     @property
     def parameters_require_grad(self) -> bool:
@@ -189,21 +203,30 @@ class DistanceBias(KeepsWhileFrozen):
         self._frozen_cache.clear()
 
     def extra_repr(self) -> str:
-        return f"attention_window={self.attention_window}" if self.attention_window else ""
+        return self.visibility.extra_repr()
 
 
 class DistanceBlockBias(BlockBias):
     """The bias (and weight) of one :class:`QueryBlock`, laid out only by the backend that needs it.
 
     The fused kernel gradient (:mod:`kerple_core.attention.kernel_gradient`) reads the
-    per-distance values, their tangents and the block's offset instead of a laid-out bias.
+    per-distance values, their tangents and the block's offset instead of a laid-out bias; it serves
+    only a visibility of distances (a window), whose cells the per-distance values hold.
+    ``first_query``: the position of the block's first query.
     """
 
-    def __init__(self, source: DistanceBias, block: QueryBlock, num_distances: int, shared: bool):
+    def __init__(self, source: DistanceBias, block: QueryBlock, num_distances: int, shared: bool,
+                 first_query: int):
         self.source = source
         self.block = block
         self.num_distances = num_distances
         self.shared = shared
+        self.first_query = first_query
+
+    @property
+    def by_position(self) -> bool:
+        """Which keys a query sees depends on the positions (a chunk), beyond the per-distance values."""
+        return self.source.visibility.by_position
 
     @property
     def has_weight(self) -> bool:
@@ -228,7 +251,7 @@ class DistanceBlockBias(BlockBias):
 
     def mask(self, dtype: torch.dtype, device) -> Tensor:
         """``[heads, queries, keys]``: the bias, ``-inf`` for keys a query may not see."""
-        return self._laid_out("bias", float("-inf"), dtype, device)
+        return self._laid_out("bias", float("-inf"), dtype, device, hide_unseen=True)
 
     def weight(self, dtype: torch.dtype, device) -> Optional[Tensor]:
         """``[heads, queries, keys]`` multipliers of the scaled logits (0 for future keys), or
@@ -249,27 +272,36 @@ class DistanceBlockBias(BlockBias):
         return flex.weighted_distance_bias(values, self.distance_values("weight", computed, device), offset)
 
     def block_mask(self, device, key_padding_mask: Optional[Tensor] = None):
-        """FlexAttention's block mask of the block: causality, any window and padded keys."""
-        block, window = self.block, self.source.attention_window
+        """FlexAttention's block mask of the block: the keys each query sees, and padded keys."""
+        block, visibility = self.block, self.source.visibility
 
         def build():
-            return flex.block_mask(block.num_queries, block.num_keys, block.offset, window, device,
-                                   key_padding_mask)
+            return flex.block_mask(visibility, block.num_queries, block.num_keys, block.offset, self.first_query,
+                                   device, key_padding_mask)
 
         if key_padding_mask is not None:
             return build()
-        return self.source.shared(("block mask", block.num_queries, block.num_keys, block.offset, window,
-                                   torch.device(device)), build)
+        return self.source.shared(("block mask", *self._geometry(), torch.device(device)), build)
 
-    def _laid_out(self, kind: str, future: float, dtype, device) -> Tensor:
+    def _geometry(self) -> Tuple:
+        """What a laid-out block depends on besides its kind and dtype: its shape and offset, and its
+        position where the visibility depends on positions."""
+        block = self.block
+        return (block.num_queries, block.num_keys, block.offset) + ((self.first_query,) if self.by_position else ())
+
+    def _laid_out(self, kind: str, future: float, dtype, device, hide_unseen: bool = False) -> Tensor:
         block = self.block
 
         def lay_out():
-            return toeplitz(self.distance_values(kind, dtype, device), block.num_queries, block.num_keys, future,
-                            dtype, offset=block.offset)
+            laid_out = toeplitz(self.distance_values(kind, dtype, device), block.num_queries, block.num_keys, future,
+                                dtype, offset=block.offset)
+            if hide_unseen and self.by_position:
+                seen = self.source.visibility.seen(self.first_query, block.num_queries,
+                                                   self.first_query - block.offset, block.num_keys, device)
+                laid_out = laid_out.masked_fill(~seen, float("-inf"))
+            return laid_out
 
         if not self.shared:
             return lay_out()
-        key = (f"{kind} block", block.num_queries, block.num_keys, block.offset, self.num_distances, dtype,
-               torch.device(device))
+        key = (f"{kind} block", *self._geometry(), self.num_distances, dtype, torch.device(device))
         return self.source.shared(key, lay_out)

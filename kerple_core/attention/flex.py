@@ -4,9 +4,10 @@ A block's bias is never laid out. Its distance kernel reaches the fused kernel a
 per-distance values ``[heads, distances]`` that :class:`~kerple_core.attention.distance_bias.DistanceBias`
 computes once per forward, read inside the kernel at ``offset + t - s`` and added to the float32
 score; a weight kernel's ``W`` multiplies the score there too; a layer's own bias adds its term
-(:meth:`~kerple_core.layer_biases.LayerBias.score_term`). Causality, any attention window and
-key padding decide which tiles of the block mask are skipped or taken whole (computed from tile
-indices: no ``queries x keys`` tensor), and give ``-inf`` inside the others through the score
+(:meth:`~kerple_core.layer_biases.LayerBias.score_term`). Which keys each query sees (the layer's
+:class:`~kerple_core.visibility.Visibility`: causality, a window, a chunk) and key padding decide
+which tiles of the block mask are skipped or taken whole (computed from tile indices: no ``queries x
+keys`` tensor), and give ``-inf`` inside the others through the score
 modification (PyTorch 2.13's CPU compiler miscompiles masks that capture tensors beside a score
 modification). On CUDA, gradients reach the captured tensors (and through them the kernel's
 parameters); on CPU the kernel has no backward, so it serves evaluation only.
@@ -23,6 +24,8 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
+
+from kerple_core.visibility import Visibility
 
 try:
     from torch.nn.attention.flex_attention import BlockMask, flex_attention, noop_mask
@@ -100,22 +103,30 @@ def masked(score_mod: ScoreMod, seen: Callable) -> ScoreMod:
                                                        float("-inf"))
 
 
-def visible(offset: Tensor, window: int, padding: Optional[Tensor]):
-    """The mask: key ``s`` is visible from query ``t`` if ``0 <= offset + t - s`` (and ``< window``
-    with a window), and is not padding (``padding`` ``[batch, keys]``, True at padding)."""
+def visible(visibility: Visibility, offset: int, first_query: int, device, padding: Optional[Tensor]):
+    """The mask of a block whose query ``t``, at position ``first_query + t``, is ``offset + t - s``
+    positions after key ``s``: key ``s`` is visible if ``visibility`` lets the query see it (``0 <= offset
+    + t - s``, within a window by distance, after the first key of a rule by position), and is not
+    padding (``padding`` ``[batch, keys]``, True at padding)."""
     # captured tensors, not Python numbers or booleans, which the CPU compiler mishandles in masks
-    limit = torch.full_like(offset, window)
+    offset_at = torch.full((1,), offset, dtype=torch.int64, device=device)
+    window = torch.full((1,), visibility.window, dtype=torch.int64, device=device)
+    first_query_at = torch.full((1,), first_query, dtype=torch.int64, device=device)
+    first_key = visibility.first_key(device) if visibility.by_position else None
     keep = None if padding is None else (~padding).to(torch.int8)
 
-    def causal(b, h, query, key):
-        d = query + offset[0] - key
+    def seen_by(b, h, query, key):
+        d = query + offset_at[0] - key
         seen = d >= 0
-        if window:
-            seen = seen & (d < limit[0])
+        if visibility.window:
+            seen = seen & (d < window[0])
+        if first_key is not None:
+            position = query + first_query_at[0]
+            seen = seen & (position - d >= first_key(position))
         if padding is not None:
             seen = seen & (keep[b, key] > 0)
         return seen
-    return causal
+    return seen_by
 
 
 # ------------------------------------------------------------------ block mask
@@ -129,22 +140,23 @@ class Mask(NamedTuple):
     visible: Callable
 
 
-def block_mask(num_queries: int, num_keys: int, offset: int, window: int, device,
+def block_mask(visibility: Visibility, num_queries: int, num_keys: int, offset: int, first_query: int, device,
                padding: Optional[Tensor] = None) -> Mask:
-    """The mask of a block of queries: its tiles, computed per ``BLOCK x BLOCK`` tile from the tile's
-    extreme distances (a tile is skipped if no query sees any of its keys, and whole if every query
-    sees every key; exactly ``num_queries x num_keys``, as FlexAttention requires), and
-    :func:`visible`."""
+    """The mask of a block of queries (query ``t`` at position ``first_query + t``, ``offset + t - s``
+    positions after key ``s``): its tiles, computed per ``BLOCK x BLOCK`` tile from its extreme positions
+    (exactly ``num_queries x num_keys``, as FlexAttention requires), and :func:`visible`. A query at ``i``
+    sees the keys ``f(i) .. i`` and ``f`` never decreases (:class:`~kerple_core.visibility.Visibility`), so
+    a tile of queries ``q0 .. q1`` and keys ``k0 .. k1`` is skipped unless ``k0 <= q1`` and ``k1 >= f(q0)``,
+    and whole where ``k1 <= q0`` and ``k0 >= f(q1)``: the tiles beyond a window or of another chunk are
+    skipped."""
     query_tiles, key_tiles = -(-num_queries // BLOCK), -(-num_keys // BLOCK)
-    first_query = torch.arange(query_tiles, device=device) * BLOCK
-    last_query = (first_query + BLOCK - 1).clamp(max=num_queries - 1)
-    first_key = torch.arange(key_tiles, device=device) * BLOCK
-    last_key = (first_key + BLOCK - 1).clamp(max=num_keys - 1)
-    nearest = offset + first_query[:, None] - last_key[None, :]  # [query tiles, key tiles]
-    farthest = offset + last_query[:, None] - first_key[None, :]
-    limit = window if window else num_keys + offset + 1
-    some = (farthest >= 0) & (nearest < limit)
-    every = (nearest >= 0) & (farthest < limit)
+    first_queries = first_query + torch.arange(query_tiles, device=device) * BLOCK
+    last_queries = (first_queries + BLOCK - 1).clamp(max=first_query + num_queries - 1)
+    first_keys = first_query - offset + torch.arange(key_tiles, device=device) * BLOCK
+    last_keys = (first_keys + BLOCK - 1).clamp(max=first_query - offset + num_keys - 1)
+    seen_from = visibility.first_key(device)
+    some = (first_keys[None, :] <= last_queries[:, None]) & (last_keys[None, :] >= seen_from(first_queries)[:, None])
+    every = (last_keys[None, :] <= first_queries[:, None]) & (first_keys[None, :] >= seen_from(last_queries)[:, None])
     if padding is not None:  # padded keys: the mask is evaluated in every tile
         every = torch.zeros_like(every)
     partial = some & ~every
@@ -155,10 +167,9 @@ def block_mask(num_queries: int, num_keys: int, offset: int, window: int, device
         order = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
         return counts[None, None], order[None, None]
 
-    offset_tensor = torch.full((1,), offset, dtype=torch.int64, device=device)
     tiles = BlockMask.from_kv_blocks(*indexed(partial), *indexed(every), BLOCK_SIZE=BLOCK, mask_mod=noop_mask,
                                      seq_lengths=(num_queries, num_keys))
-    return Mask(tiles, visible(offset_tensor, window, padding))
+    return Mask(tiles, visible(visibility, offset, first_query, device, padding))
 
 
 # ------------------------------------------------------------------ attention

@@ -35,9 +35,9 @@ MIN_KEYS = 512
 
 def applies(q: Tensor, k: Tensor, bias: BlockBias, dropout: float) -> bool:
     """On CPU, float32/float64, no attention dropout, at least ``MIN_KEYS`` keys, and a distance kernel's
-    bias of per-head parameters that needs a gradient."""
+    bias of per-head parameters that needs a gradient, under a visibility of distances alone."""
     return (FLASH_FORWARD is not None and isinstance(bias, DistanceBlockBias) and bias.per_head_parameters
-            and bias.requires_grad and dropout == 0.0
+            and not bias.by_position and bias.requires_grad and dropout == 0.0
             and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and k.size(2) >= MIN_KEYS)
 
 

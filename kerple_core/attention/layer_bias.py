@@ -53,14 +53,8 @@ class LayerBlockBias(BlockBiasOnTop):
         self.state = state
 
     @property
-    def term_reads_model_tensors(self) -> bool:
-        """The layer's term reads parameters (FIRE's) or a state (FoX's gates), frozen or not; a term of
-        positions alone (chunked attention's mask) reads neither."""
-        return self.state is not None or any(True for _ in self.layer_bias.parameters())
-
-    @property
     def only_masks(self) -> bool:
-        """Both biases are 0 wherever they are finite (a mask such as chunked attention on no kernel)."""
+        """Both biases are 0 wherever they are finite."""
         return self.base.only_masks and not self.layer_bias.encodes_position
 
     def mask(self, dtype: torch.dtype, device) -> Tensor:

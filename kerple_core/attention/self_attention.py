@@ -10,10 +10,12 @@ from torch import Tensor, nn
 
 from kerple_core.attention.attend import AttentionRecord, attend
 from kerple_core.attention.blocks import effective_block_size, query_blocks
-from kerple_core.attention.distance_bias import DistanceBias, DistanceBlockBias
+from kerple_core.attention.block_bias import BlockBias
+from kerple_core.attention.distance_bias import DistanceBias
 from kerple_core.attention.layer_bias import LayerBlockBias
 from kerple_core.attention.methods import QUERIES, SCORES, WEIGHTS, AttentionMethod
 from kerple_core.attention.rotary import RotaryEmbedding
+from kerple_core.visibility import GLOBAL, Visibility
 
 
 @dataclass
@@ -25,8 +27,9 @@ class AttentionSetup:
     ``block_size``: queries per block for long sequences (0: one block); on a CPU, blocks whose scores
     an attention method works on are cut further to hold at most ``cpu_block_scores`` scores (0: not
     cut); ``backend``: the attention
-    backend asked for (:data:`~kerple_core.attention.attend.BACKENDS`); ``cache_size``: incremental
-    decoding keeps only this many most recent keys (0: all of them). ``layer_bias`` builds a layer's own
+    backend asked for (:data:`~kerple_core.attention.attend.BACKENDS`). Which keys each query sees
+    (causality, a window, a chunk, the cache of incremental decoding) is ``bias.visibility``
+    (:attr:`visibility`), the one place it is said. ``layer_bias`` builds a layer's own
     bias (:class:`~kerple_core.layer_biases.LayerBias`, added to ``bias``) and ``methods`` its
     attention methods (:mod:`kerple_core.attention.methods`, in the order they act), called once per
     layer."""
@@ -36,20 +39,18 @@ class AttentionSetup:
     block_size: int = 0
     cpu_block_scores: int = 0
     backend: str = "auto"
-    cache_size: int = 0
     layer_bias: Optional[Callable[[], nn.Module]] = None
     methods: Sequence[Callable[[], AttentionMethod]] = ()
+
+    @property
+    def visibility(self) -> Visibility:
+        return self.bias.visibility
 
     def block_size_now(self, scores_per_query: int = 0) -> int:
         """Queries per block: ``block_size`` under the attention window's limit and, given
         ``scores_per_query`` (batch x heads x keys of explicit blocks on a CPU), ``cpu_block_scores``'s."""
-        return effective_block_size(self.block_size, self.bias.attention_window, scores_per_query,
+        return effective_block_size(self.block_size, self.visibility.window, scores_per_query,
                                     self.cpu_block_scores)
-
-    def keys_seen(self) -> int:
-        """The most keys a query attends to (0: every key before it): the attention window or the cache's."""
-        windows = [w for w in (self.bias.attention_window, self.cache_size) if w]
-        return min(windows) if windows else 0
 
 
 @contextmanager
@@ -76,7 +77,7 @@ class BiasedSelfAttention(MultiheadAttention):
     fairseq's ``attn_mask`` must be None (the plugin's decoder passes none). The cache has fairseq's
     layout plus ``positions_seen``, a Python int: fairseq decodes every hypothesis of a batch in step,
     so the position is known on the host and read without waiting for the device; with
-    ``setup.cache_size = w`` it keeps only the last ``w`` keys and values (Sandwich App. B), and the new
+    ``setup.visibility.cache = w`` it keeps only the last ``w`` keys and values (Sandwich App. B), and the new
     query then attends as under a window of ``w``. Per-key states are cached beside the keys, trimmed
     and reordered with them: a layer bias's as ``prev_bias_state`` ``[batch, heads, keys]``, an
     attention method's under its ``cached_state`` name (selective attention's running sums,
@@ -146,14 +147,14 @@ class BiasedSelfAttention(MultiheadAttention):
         if self.setup.rotary is not None:
             q, k = self.setup.rotary(q, k, offset=first_position)
         for method in self.query_scales or ():
-            q = method.scale_queries(q, first_position, self.setup.keys_seen())
+            q = method.scale_queries(q, first_position, self.setup.visibility)
         return q, k
 
     def _with_cache(self, incremental: bool, saved: Dict[str, Optional[Tensor]], query: Tensor, q: Tensor, k: Tensor,
                     v: Tensor, key_padding_mask: Optional[Tensor]):
         """Every key, value, key padding and per-key state (by cache name, keys along the last dimension)
         the new queries attend to: in ``incremental`` decoding the cached ones (``saved``) followed by the
-        call's, trimmed to ``setup.cache_size``; otherwise the call's."""
+        call's, trimmed to ``setup.visibility.cache``; otherwise the call's."""
         states = {}
         if self.layer_bias is not None:
             state = self.layer_bias.key_state(query, saved.get("prev_bias_state"))
@@ -171,7 +172,7 @@ class BiasedSelfAttention(MultiheadAttention):
         key_padding_mask = MultiheadAttention._append_prev_key_padding_mask(
             key_padding_mask=key_padding_mask, prev_key_padding_mask=saved.get("prev_key_padding_mask"),
             batch_size=k.size(0), src_len=k.size(2), static_kv=False)
-        size = self.setup.cache_size
+        size = self.setup.visibility.cache
         if size and q.size(2) > 1:
             raise ValueError("--max-cache-window decodes one token per step, as fairseq's incremental "
                              f"decoding does ({q.size(2)} given)")
@@ -192,28 +193,30 @@ class BiasedSelfAttention(MultiheadAttention):
         self._set_input_buffer(incremental_state, saved)
 
     def _block_biases(self, q: Tensor, num_keys: int, whole_rows: bool, first_position: int,
-                      state: Optional[Tensor], recorded: bool) -> List[DistanceBlockBias]:
+                      state: Optional[Tensor], recorded: bool) -> List[BlockBias]:
         """The bias of each block of the queries ``q`` (:func:`query_blocks`); with ``whole_rows``, blocks against
         every key up to their last query, split only where dynamic NTK's bands start. Query 0 is at
         absolute position ``first_position``; ``state`` is the layer bias's state of every key; ``recorded``:
         autograd records the attention. The query methods may scale each block's bias (scalable softmax on
         the whole logit)."""
-        window = self.setup.bias.attention_window
+        visibility = self.setup.visibility
         rotary = self.setup.rotary
         num_queries = q.size(2)
         starts = rotary.band_starts(first_position, num_queries) if rotary is not None else []
         cut = q.device.type == "cpu" and self._scores_worked_on()
         block_size = self.setup.block_size_now(q.size(0) * q.size(1) * num_keys if cut else 0)
+        key_position = first_position + num_queries - num_keys  # of the call's key 0
         blocks = query_blocks(num_queries, num_keys, 0 if whole_rows else block_size,
-                              0 if whole_rows else window, starts)
+                              GLOBAL if whole_rows else visibility, starts, key_position)
         # every layer attends the same blocks: one block is laid out once for all; several, once for all
         # while autograd records (each layer's backward would keep its own copies), else per layer, one at a time
         shared = len(blocks) == 1 or recorded
-        biases = [self.setup.bias.for_block(block, num_keys, shared=shared) for block in blocks]
+        biases = [self.setup.bias.for_block(block, num_keys, shared=shared, first_query=first_position + block.query_start)
+                  for block in blocks]
         if self.layer_bias is not None:
             biases = [LayerBlockBias(bias, self.layer_bias, first_position, state) for bias in biases]
         for method in self.query_scales or ():
-            biases = [method.scale_bias(bias, first_position, self.setup.keys_seen()) for bias in biases]
+            biases = [method.scale_bias(bias, first_position, visibility) for bias in biases]
         return biases
 
     def _scores_worked_on(self) -> bool:
@@ -235,7 +238,7 @@ class BiasedSelfAttention(MultiheadAttention):
         return q, k, rotary.logit_transform(q, k, first_query, first_query - block.offset)
 
     @staticmethod
-    def _whole_rows(biases: List[DistanceBlockBias], pieces: List[Tensor], num_keys: int, fill: float) -> Tensor:
+    def _whole_rows(biases: List[BlockBias], pieces: List[Tensor], num_keys: int, fill: float) -> Tensor:
         """Each block's ``[B, H, queries, keys]`` piece laid out against all ``num_keys`` keys (``fill``
         outside the block's keys), stacked over the blocks' queries."""
         if len(biases) == 1 and biases[0].block.num_keys == num_keys:

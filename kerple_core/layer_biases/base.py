@@ -37,9 +37,6 @@ class LayerBias(nn.Module):
     encodes_position: ClassVar[bool] = True
     #: the distance kernel (with the causal mask and any window) this bias is added to
     distance_kernel: ClassVar[str] = "none"
-    #: which keys a query sees depends on its absolute position, not only on a window (chunked attention):
-    #: a method that counts the keys a query sees (``AttentionMethod.counts_keys_seen``) is refused with it
-    limits_keys_by_position: ClassVar[bool] = False
     #: the constructor takes ``train_length``, the model's ``--tokens-per-sample``
     needs_train_length: ClassVar[bool] = False
 

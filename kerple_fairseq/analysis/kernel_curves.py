@@ -20,6 +20,7 @@ from kerple_core.attention.methods import chosen_methods, layout
 from kerple_fairseq.analysis.cope_curves import CheckpointContextualPositions
 from kerple_fairseq.analysis.layer_bias_curves import input_dependent, load_layer_biases
 from kerple_core.layer_biases import LAYER_BIASES
+from kerple_core.visibility import VISIBILITY_RULES, Visibility
 
 KERNEL_PREFIX = "decoder.attention_bias.kernel."
 EFFECTIVE_LENGTH_THRESHOLD = -2.0
@@ -49,7 +50,7 @@ class CheckpointKernel:
     def curves(self, max_distance: int) -> np.ndarray:
         """``[heads, max_distance + 1]`` float64 copy of the float32 ``B_h(d)``, ``-inf`` from the window on."""
         with torch.no_grad():
-            return DistanceBias(self.kernel, self.attention_window).per_distance(max_distance + 1).double().numpy()
+            return DistanceBias(self.kernel, Visibility(window=self.attention_window)).per_distance(max_distance + 1).double().numpy()
 
     def learned_values(self) -> Dict[str, List[float]]:
         """Each learnable parameter's effective per-head values (as the forward uses them), by name;
@@ -64,7 +65,7 @@ class CheckpointKernel:
         if not self.kernel.has_weight:
             return None
         with torch.no_grad():
-            return DistanceBias(self.kernel, self.attention_window).weight_per_distance(max_distance + 1).double().numpy()
+            return DistanceBias(self.kernel, Visibility(window=self.attention_window)).weight_per_distance(max_distance + 1).double().numpy()
 
 
 def load_kernel(path: str, label: str, data: Optional[str] = None, split: str = "valid"):
@@ -86,6 +87,8 @@ def load_kernel(path: str, label: str, data: Optional[str] = None, split: str = 
         raise UsageError(f"{path} gives each layer its own position encoding (--layer-positions {plan}); the kernel "
                          "analyses read a model-wide one, so they do not draw it")
     train_length = int(cfg["task"].tokens_per_sample)
+    if name in VISIBILITY_RULES:  # only which keys a query sees: the kernel under it is none
+        name = "none"
     if name in LAYER_BIASES:
         under = load_layer_biases(path, label, state, model_cfg, train_length, data, split)
     else:

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from kerple_core.attention.distance_bias import DistanceBias
 from kerple_core.kernels import build_kernel, kernel_names
+from kerple_core.visibility import Visibility
 
 HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 BACKENDS = ("explicit", "sdpa", "flex")
@@ -50,7 +51,7 @@ def largest_errors(kernel_name: str, lengths: Sequence[int], heads: int = 8, sam
     """``{(backend, precision, length): largest |error|}`` for one kernel; sdpa is left out for a
     weight kernel, which it does not serve."""
     kernel = build_kernel(kernel_name, heads, None, head_dim=64)
-    source = DistanceBias(kernel, attention_window=WINDOW if kernel.requires_window else 0)
+    source = DistanceBias(kernel, Visibility(window=WINDOW if kernel.requires_window else 0))
     longest = max(lengths)
     with torch.no_grad():
         bias = source.per_distance(longest)

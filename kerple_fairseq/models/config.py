@@ -14,6 +14,7 @@ from kerple_core.attention.rotary import DYNAMIC_NTK_STEP, REROPE_LEAK, REROPE_Q
 from kerple_core.kernels import option_fields
 from kerple_core.kernels.registry import SAVED_BEFORE
 from kerple_core.layer_biases import layer_bias_option_fields
+from kerple_core.visibility import visibility_rule_option_fields
 
 DEFAULT_BLOCK_SIZE = 1024
 
@@ -210,16 +211,17 @@ def _make_config():
                 "/ log(training length))) or none", SAVED_BEFORE: "none"}),
         ),
     ]
-    # each kernel, layer bias and attention method declares its own options; copy them so this dataclass
-    # owns its fields
-    for f in option_fields() + layer_bias_option_fields() + attention_method_option_fields():
+    # each kernel, layer bias, visibility rule and attention method declares its own options; copy them so
+    # this dataclass owns its fields
+    for f in option_fields() + layer_bias_option_fields() + visibility_rule_option_fields() + \
+            attention_method_option_fields():
         plugin_fields.append((f.name, f.type, field(default=f.default, metadata=dict(f.metadata))))
     return dataclasses.make_dataclass(
         "KernelBiasedLMConfig",
         plugin_fields,
         bases=(TransformerLanguageModelConfig,),
         namespace={"__doc__": "transformer_lm options plus --bias-kernel and the options of every kernel, layer "
-                              "bias and attention method."},
+                              "bias, visibility rule and attention method."},
     )
 
 

@@ -20,6 +20,7 @@ from kerple_core.attention.self_attention import AttentionSetup, BiasedSelfAtten
 from kerple_fairseq.errors import KernelConfigError
 from kerple_core.kernels import BiasKernel, build_kernel
 from kerple_core.layer_biases import LAYER_BIASES, build_layer_bias
+from kerple_core.visibility import VISIBILITY_RULES, Visibility, build_visibility_rule
 from kerple_fairseq.models.config import DEFAULT_BLOCK_SIZE
 from kerple_fairseq.models.position_plan import LayerPositions, layer_plan
 
@@ -71,11 +72,15 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
     attention methods: from the model's arguments, or with ``entry`` (a plan's) the bias, rotary, window
     and added methods it names (``kernels``: the kernels built so far, by name, shared). A layer bias
     (``--bias-kernel`` naming one of :mod:`kerple_core.layer_biases`) is added to the distance bias
-    of its ``distance_kernel``."""
+    of its ``distance_kernel``; a visibility rule (one of :mod:`kerple_core.visibility`, chunked
+    attention) goes with no kernel."""
     heads = args.decoder_attention_heads
     head_dim = args.decoder_embed_dim // heads
     layer_bias = layer_bias_name = None
     kernel_name = args.bias_kernel if entry is None else entry.bias
+    rules = ()
+    if kernel_name in VISIBILITY_RULES:
+        rules, kernel_name = (build_visibility_rule(kernel_name, args),), "none"
     if kernel_name in LAYER_BIASES:
         layer_bias_name = kernel_name
         layer_bias = partial(build_layer_bias, kernel_name, heads, args.decoder_embed_dim, args)
@@ -95,11 +100,11 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
             raise KernelConfigError(f"--layer-positions names {method.name} in a layer where it does not act: it "
                                     f"{method.layer_rule}")
     methods = [m for m in methods if m.acts_in_layer(args, rotary)]
-    if layer_bias_name is not None and LAYER_BIASES[layer_bias_name].limits_keys_by_position:
+    if rules:
         counting = [f"--{m.switch.replace('_', '-')}" for m in methods if m.counts_keys_seen]
         if counting:
-            raise KernelConfigError(f"{' and '.join(counting)} counts the keys each query sees, which the "
-                                    f"{layer_bias_name} bias limits by position: not supported together")
+            raise KernelConfigError(f"{' and '.join(counting)} counts the keys each query sees, which "
+                                    f"{rules[0].name} attention limits by position: not supported together")
     check_composition(methods, [f"--rotary-scaling {rotary_scaling}"] if rotary and rotary_scaling in RE_ROPE else [])
     builders = [partial(method.build, heads, head_dim, args) for method in methods]
     for build in builders:
@@ -107,9 +112,10 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
     block_size = _non_negative(args, "attention_block_size", DEFAULT_BLOCK_SIZE, "no blocks")
     cpu_block_scores = _non_negative(args, "cpu_attention_block_scores", CPU_BLOCK_SCORES,
                                      "blocks of --attention-block-size queries")
-    cache_size = _non_negative(args, "max_cache_window", 0, "keep every key")
+    visibility = Visibility(window=window, rules=rules,
+                            cache=_non_negative(args, "max_cache_window", 0, "keep every key"))
     return AttentionSetup(
-        bias=DistanceBias(kernel, attention_window=window),
+        bias=DistanceBias(kernel, visibility),
         rotary=RotaryEmbedding(head_dim, xpos=safe_getattr(args, "rotary_xpos", False),
                                xpos_scale_base=safe_getattr(args, "xpos_scale_base", XPOS_SCALE_BASE),
                                scaling=rotary_scaling,
@@ -124,7 +130,6 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
         block_size=block_size,
         cpu_block_scores=cpu_block_scores,
         backend=attention_backend(args),
-        cache_size=cache_size,
         layer_bias=layer_bias,
         methods=builders,
     )

@@ -1,7 +1,8 @@
-"""One lookup of a position method by name, over the three registries: distance kernels
-(:mod:`kerple_core.kernels`), biases each layer builds (:mod:`kerple_core.layer_biases`), both
-chosen with ``--bias-kernel``, and attention methods (:mod:`kerple_core.attention.methods`), each
-with its own switch. A name is registered once over all three."""
+"""One lookup of a position method by name, over the four registries: distance kernels
+(:mod:`kerple_core.kernels`), biases each layer builds (:mod:`kerple_core.layer_biases`) and rules of
+which keys a query sees (:mod:`kerple_core.visibility`), all three chosen with ``--bias-kernel``, and
+attention methods (:mod:`kerple_core.attention.methods`), each with its own switch. A name is registered
+once over all four."""
 
 from typing import Dict, List, NamedTuple
 
@@ -9,10 +10,13 @@ from kerple_core.attention.methods import ATTENTION_METHODS
 from kerple_fairseq.errors import KernelConfigError
 from kerple_core.kernels import KERNELS
 from kerple_core.layer_biases import LAYER_BIASES
+from kerple_core.visibility import VISIBILITY_RULES
 
-KERNEL, LAYER_BIAS, ATTENTION_METHOD = "bias kernel", "layer bias", "attention method"
-REGISTRIES: Dict[str, Dict[str, type]] = {KERNEL: KERNELS, LAYER_BIAS: LAYER_BIASES, ATTENTION_METHOD: ATTENTION_METHODS}
-PLURALS = {KERNEL: "bias kernels", LAYER_BIAS: "layer biases", ATTENTION_METHOD: "attention methods"}
+KERNEL, LAYER_BIAS, VISIBILITY_RULE, ATTENTION_METHOD = "bias kernel", "layer bias", "visibility rule", "attention method"
+REGISTRIES: Dict[str, Dict[str, type]] = {KERNEL: KERNELS, LAYER_BIAS: LAYER_BIASES, VISIBILITY_RULE: VISIBILITY_RULES,
+                                          ATTENTION_METHOD: ATTENTION_METHODS}
+PLURALS = {KERNEL: "bias kernels", LAYER_BIAS: "layer biases", VISIBILITY_RULE: "visibility rules",
+           ATTENTION_METHOD: "attention methods"}
 
 
 class PositionMethod(NamedTuple):
@@ -21,8 +25,8 @@ class PositionMethod(NamedTuple):
 
 
 def bias_names() -> List[str]:
-    """What ``--bias-kernel`` takes: every distance kernel and layer bias."""
-    return sorted([*KERNELS, *LAYER_BIASES])
+    """What ``--bias-kernel`` takes: every distance kernel, layer bias and visibility rule."""
+    return sorted([*KERNELS, *LAYER_BIASES, *VISIBILITY_RULES])
 
 
 def position_method(name: str) -> PositionMethod:

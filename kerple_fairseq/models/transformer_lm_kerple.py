@@ -12,6 +12,7 @@ from fairseq.utils import safe_getattr
 from kerple_fairseq.errors import KernelConfigError, option_value
 from kerple_core.kernels import KERNELS
 from kerple_core.layer_biases import LAYER_BIASES
+from kerple_core.visibility import VISIBILITY_RULES
 from kerple_fairseq.models.config import KernelBiasedLMConfig
 from kerple_fairseq.models.decoder import KernelBiasedDecoder, replaced
 from kerple_fairseq.models.position_plan import parse_plan
@@ -70,7 +71,7 @@ def check_positions(args) -> None:
             "--token-positional-embeddings and --rotary-embeddings are two position encodings; "
             "choose one")
     for bias in [entry.bias for entry in plan] or [args.bias_kernel]:
-        method = KERNELS.get(bias) or LAYER_BIASES[bias]
+        method = KERNELS.get(bias) or LAYER_BIASES.get(bias) or VISIBILITY_RULES[bias]
         if method.encodes_position and (token_positions or (args.rotary_embeddings and not plan)):
             which = "rotary embeddings" if args.rotary_embeddings else "token positional embeddings"
             flag = "--rotary-embeddings" if args.rotary_embeddings else \

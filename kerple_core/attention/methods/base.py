@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from kerple_core.attention.blocks import QueryBlock
 from kerple_core.errors import KernelConfigError
 from kerple_core.kernels.registry import declared_fields, options_from, registrar
+from kerple_core.visibility import Visibility
 
 #: where a method acts: on the queries, on the logits of each block, or on the weights (instead of the softmax)
 QUERIES, SCORES, WEIGHTS = "queries", "scores", "weights"
@@ -40,7 +41,7 @@ class AttentionMethod(nn.Module):
     switch: ClassVar[str] = ""
     acts_on: ClassVar[str] = SCORES
     cached_state: ClassVar[Optional[str]] = None
-    #: it reads the number of keys a query sees (``keys_seen``): refused where a layer bias limits them by position
+    #: it reads the number of keys a query sees: refused where a visibility rule limits them by position
     counts_keys_seen: ClassVar[bool] = False
     #: methods of one stage act in increasing ``precedence`` (ties: the registry's order)
     precedence: ClassVar[int] = 0
@@ -81,12 +82,12 @@ class AttentionMethod(nn.Module):
         return cls(num_heads, head_dim, **options_from(cls.options, cfg))
 
     # -- the hooks of each stage
-    def scale_queries(self, q: Tensor, first_position: int, keys_seen: int) -> Tensor:
-        """``q`` ``[B, H, T, D]`` at absolute positions ``first_position ..`` (each query sees at most
-        ``keys_seen`` keys; 0: every key before it), changed by the method."""
+    def scale_queries(self, q: Tensor, first_position: int, visibility: Visibility) -> Tensor:
+        """``q`` ``[B, H, T, D]`` at absolute positions ``first_position ..`` (the keys each sees:
+        ``visibility``), changed by the method."""
         raise NotImplementedError
 
-    def scale_bias(self, bias, first_position: int, keys_seen: int):
+    def scale_bias(self, bias, first_position: int, visibility: Visibility):
         """A block's bias as a query method leaves it (``bias.block``'s first query at absolute position
         ``first_position + bias.block.query_start``): unchanged, unless the method scales whole logits."""
         return bias

@@ -23,7 +23,7 @@ class PositionFactor(AttentionMethod):
         """float64 factors of the float64 0-based ``positions``."""
         raise NotImplementedError
 
-    def scale_queries(self, q: Tensor, first_position: int, keys_seen: int) -> Tensor:
+    def scale_queries(self, q: Tensor, first_position: int, visibility) -> Tensor:
         if self.evaluation_only and self.training:
             return q
         positions = torch.arange(first_position, first_position + q.size(2), dtype=torch.float64, device=q.device)

@@ -13,6 +13,7 @@ from kerple_core.attention.scaled_bias import RowScaledBlockBias
 from kerple_core.errors import KernelConfigError
 from kerple_core.kernels.registry import SAVED_BEFORE
 from kerple_core.precision import precise
+from kerple_core.visibility import Visibility
 
 #: the scale's initial value: the one an implementation of the paper reports from it (the paper's
 #: own code is not public); --ssmax-scale-init changes it
@@ -34,19 +35,12 @@ class SsmaxOptions:
         SAVED_BEFORE: "queries"})
 
 
-def visible_keys(first_position: int, num_queries: int, window: int, device) -> Tensor:
-    """float64 ``[queries]``: the number of keys each query attends to, itself included: ``i + 1`` at
-    absolute position ``i``, at most ``window`` (0: no window)."""
-    counts = torch.arange(first_position + 1, first_position + num_queries + 1, dtype=torch.float64, device=device)
-    return counts.clamp(max=window) if window else counts
-
-
 @register_attention_method("ssmax")
 class ScalableSoftmax(AttentionMethod):
     """Scalable softmax, SSMax (Nakanishi, "Scalable-Softmax Is Superior for Attention", 2025, §3):
     the logits of a query that attends to ``n`` keys are multiplied by ``s_h * log(n)``, so that its
     largest weight does not fade as ``n`` grows; ``s_h`` is learned, one per head of each layer.
-    Here ``n = min(i + 1, window)`` for the query at position ``i``. By default the factor multiplies
+    Here ``n`` is what the layer's visibility lets the query at position ``i`` see (``min(i + 1, window)``). By default the factor multiplies
     the whole logit, ``s_h log(n) (q.k/sqrt(d) + B)``, as the paper, its ``scalable-softmax`` package
     and BAM's reference code (``ArthurSBianchessi/BAM``) do: the query is scaled, and each block's
     bias row by row (:class:`~kerple_core.attention.scaled_bias.RowScaledBlockBias`); with
@@ -68,22 +62,23 @@ class ScalableSoftmax(AttentionMethod):
         self.scale = nn.Parameter(torch.full((num_heads,), float(ssmax_scale_init)))
         self.scope = str(ssmax_scope)
 
-    def factor(self, first_position: int, num_queries: int, keys_seen: int, dtype: torch.dtype, device) -> Tensor:
+    def factor(self, first_position: int, num_queries: int, visibility: Visibility, dtype: torch.dtype,
+               device) -> Tensor:
         """``[heads, queries]``: ``s_h log(n)`` of the queries at positions ``first_position ..``."""
-        log_n = visible_keys(first_position, num_queries, keys_seen, device).log().to(dtype)
+        log_n = visibility.keys_seen(first_position, num_queries, device).log().to(dtype)
         return self.scale.to(dtype)[:, None] * log_n
 
-    def scale_queries(self, q: Tensor, first_position: int, keys_seen: int) -> Tensor:
+    def scale_queries(self, q: Tensor, first_position: int, visibility: Visibility) -> Tensor:
         """``q`` ``[B, H, T, D]`` at positions ``first_position ..``, each times ``s_h log(n)``."""
-        return q * self.factor(first_position, q.size(2), keys_seen, q.dtype, q.device)[..., None]
+        return q * self.factor(first_position, q.size(2), visibility, q.dtype, q.device)[..., None]
 
-    def scale_bias(self, bias, first_position: int, keys_seen: int):
+    def scale_bias(self, bias, first_position: int, visibility: Visibility):
         """With ``--ssmax-scope logits``, the block's bias times its queries' factors (in float32, or
         float64 for a float64 model)."""
         if self.scope != "logits" or bias.only_masks:
             return bias
         block = bias.block
-        factor = self.factor(first_position + block.query_start, block.num_queries, keys_seen,
+        factor = self.factor(first_position + block.query_start, block.num_queries, visibility,
                              precise(self.scale.dtype), self.scale.device)
         return RowScaledBlockBias(bias, factor)
 
