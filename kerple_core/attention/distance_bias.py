@@ -16,7 +16,7 @@ from typing import Callable, Dict, Optional, Tuple
 import dataclasses
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from kerple_core.attention import flex
 from kerple_core.attention.block_bias import BlockBias

@@ -13,14 +13,14 @@ from torch import nn
 
 from kerple_core.attention.blocks import CPU_BLOCK_SCORES
 from kerple_core.attention.distance_bias import DistanceBias
-from kerple_core.attention.methods import check_composition, chosen_methods
-from kerple_core.attention.rotary import (DYNAMIC_NTK_STEP, RE_ROPE, REROPE_LEAK, XPOS_SCALE_BASE,
+from kerple_core.attention.rotary import (DYNAMIC_NTK_STEP, REROPE_LEAK, XPOS_SCALE_BASE,
                                              RotaryEmbedding)
 from kerple_core.attention.self_attention import AttentionSetup, BiasedSelfAttention
 from kerple_fairseq.errors import KernelConfigError
 from kerple_core.kernels import BiasKernel, build_kernel
 from kerple_core.layer_biases import LAYER_BIASES, build_layer_bias
 from kerple_core.visibility import VISIBILITY_RULES, Visibility, build_visibility_rule
+from kerple_fairseq.models.composition import layer_methods, layer_rotary
 from kerple_fairseq.models.config import DEFAULT_BLOCK_SIZE
 from kerple_fairseq.models.position_plan import LayerPositions, layer_plan
 
@@ -44,11 +44,6 @@ def attention_setups(args) -> List[AttentionSetup]:
     """Each layer's :class:`AttentionSetup`: the model's for every layer, or with ``--layer-positions``
     one per entry of the plan (a kernel named by several entries is one module, shared)."""
     plan = layer_plan(safe_getattr(args, "layer_positions", ""), args.decoder_layers)
-    rotary_layers = [entry.rotary for entry in plan] or [safe_getattr(args, "rotary_embeddings", False)]
-    for method in chosen_methods(args):
-        if not any(method.acts_in_layer(args, rotary) for rotary in rotary_layers):
-            raise KernelConfigError(f"this model has no layer where --{method.switch.replace('_', '-')} acts: it "
-                                    f"{method.layer_rule}")
     if not plan:
         return [attention_setup(args)] * args.decoder_layers
     kernels, setups = {}, {}
@@ -69,20 +64,20 @@ def _non_negative(args, name: str, default: int, zero_means: str) -> int:
 def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optional[Dict[str, BiasKernel]] = None
                     ) -> AttentionSetup:
     """A layer's bias, rotary embedding and attention options, and the builders of its own bias and
-    attention methods: from the model's arguments, or with ``entry`` (a plan's) the bias, rotary, window
+    attention methods (the model's options checked before: :mod:`kerple_fairseq.models.composition`): from
+    the model's arguments, or with ``entry`` (a plan's) the bias, rotary, window
     and added methods it names (``kernels``: the kernels built so far, by name, shared). A layer bias
     (``--bias-kernel`` naming one of :mod:`kerple_core.layer_biases`) is added to the distance bias
     of its ``distance_kernel``; a visibility rule (one of :mod:`kerple_core.visibility`, chunked
     attention) goes with no kernel."""
     heads = args.decoder_attention_heads
     head_dim = args.decoder_embed_dim // heads
-    layer_bias = layer_bias_name = None
+    layer_bias = None
     kernel_name = args.bias_kernel if entry is None else entry.bias
     rules = ()
     if kernel_name in VISIBILITY_RULES:
         rules, kernel_name = (build_visibility_rule(kernel_name, args),), "none"
     if kernel_name in LAYER_BIASES:
-        layer_bias_name = kernel_name
         layer_bias = partial(build_layer_bias, kernel_name, heads, args.decoder_embed_dim, args)
         layer_bias()  # options are checked once, before any layer is built
         kernel_name = LAYER_BIASES[kernel_name].distance_kernel
@@ -91,22 +86,9 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
         kernels[kernel_name] = build_kernel(kernel_name, heads, args, head_dim=head_dim)
     kernel = kernels[kernel_name]
     rotary_scaling = str(safe_getattr(args, "rotary_scaling", "none"))
-    rotary = safe_getattr(args, "rotary_embeddings", False) if entry is None else entry.rotary
+    rotary = layer_rotary(args, entry)
     window = safe_getattr(args, "attn_window", 0) if entry is None else entry.window
-    methods = chosen_methods(args, () if entry is None else entry.methods)
-    named_here = [m for m in methods if entry is not None and m.name in entry.methods]
-    for method in named_here:
-        if not method.acts_in_layer(args, rotary):
-            raise KernelConfigError(f"--layer-positions names {method.name} in a layer where it does not act: it "
-                                    f"{method.layer_rule}")
-    methods = [m for m in methods if m.acts_in_layer(args, rotary)]
-    if rules:
-        counting = [f"--{m.switch.replace('_', '-')}" for m in methods if m.counts_keys_seen]
-        if counting:
-            raise KernelConfigError(f"{' and '.join(counting)} counts the keys each query sees, which "
-                                    f"{rules[0].name} attention limits by position: not supported together")
-    check_composition(methods, [f"--rotary-scaling {rotary_scaling}"] if rotary and rotary_scaling in RE_ROPE else [])
-    builders = [partial(method.build, heads, head_dim, args) for method in methods]
+    builders = [partial(method.build, heads, head_dim, args) for method in layer_methods(args, entry)]
     for build in builders:
         build()  # options are checked once, before any layer is built
     block_size = _non_negative(args, "attention_block_size", DEFAULT_BLOCK_SIZE, "no blocks")

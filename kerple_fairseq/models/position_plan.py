@@ -55,10 +55,13 @@ def parse_entry(entry: str) -> LayerPositions:
                                         f"{name}); choose one per layer")
             else:
                 bias = (name, cls)
-    if rotary and bias is not None and bias[1].encodes_position:
-        raise KernelConfigError(f"--layer-positions entry {entry!r}: {bias[0]} already encodes position; rotary "
-                                "goes with none or window only")
     return LayerPositions(bias[0] if bias else "none", rotary, tuple(methods), int(window or 0))
+
+
+def describe_entry(entry: LayerPositions) -> str:
+    """``entry`` as a plan writes it (``NAME[+NAME...][@WINDOW]``)."""
+    names = ([ROTARY] if entry.rotary else []) + ([] if entry.bias == "none" else [entry.bias]) + list(entry.methods)
+    return "+".join(names or [NOPE]) + (f"@{entry.window}" if entry.window else "")
 
 
 def layer_plan(text: str, num_layers: int) -> List[LayerPositions]:

@@ -10,12 +10,9 @@ from fairseq.models.transformer_lm import (
 from fairseq.utils import safe_getattr
 
 from kerple_fairseq.errors import KernelConfigError, option_value
-from kerple_core.kernels import KERNELS
-from kerple_core.layer_biases import LAYER_BIASES
-from kerple_core.visibility import VISIBILITY_RULES
+from kerple_fairseq.models.composition import check_model
 from kerple_fairseq.models.config import KernelBiasedLMConfig
 from kerple_fairseq.models.decoder import KernelBiasedDecoder, replaced
-from kerple_fairseq.models.position_plan import parse_plan
 
 # the model; its architectures below are what --arch names
 MODEL_NAME = "kerple_lm"
@@ -47,42 +44,6 @@ def check_task(args) -> None:
         raise KernelConfigError(language_modeling_task_missing(args.arch, task))
 
 
-def check_positions(args) -> None:
-    """One source of position: a distance-encoding kernel, or token positions, or rotary; with
-    ``--layer-positions``, each layer's from its entry (checked by
-    :func:`~kerple_fairseq.models.position_plan.parse_entry`), the model-wide ones left out."""
-    token_positions = not args.no_token_positional_embeddings
-    plan = parse_plan(safe_getattr(args, "layer_positions", ""))
-    if plan:
-        for flag, value in (("--rotary-embeddings", args.rotary_embeddings), ("--attn-window", args.attn_window)):
-            if value:
-                raise KernelConfigError(f"--layer-positions names each layer's encoding and window: drop {flag} "
-                                        "(write rotary, or @WINDOW, in the plan's entries; --arch "
-                                        "transformer_lm_kerple has neither on)")
-    rotary = any(entry.rotary for entry in plan) if plan else args.rotary_embeddings
-    for flag, on in (("--rotary-xpos", safe_getattr(args, "rotary_xpos", False)),
-                     ("--rotary-scaling", safe_getattr(args, "rotary_scaling", "none") != "none"),
-                     ("--rotary-fraction", safe_getattr(args, "rotary_fraction", 1.0) != 1.0)):
-        if on and not rotary:
-            raise KernelConfigError(f"{flag} changes rotary embeddings: add --rotary-embeddings "
-                                    "(or use --arch transformer_lm_rotary)")
-    if token_positions and rotary:
-        raise KernelConfigError(
-            "--token-positional-embeddings and --rotary-embeddings are two position encodings; "
-            "choose one")
-    for bias in [entry.bias for entry in plan] or [args.bias_kernel]:
-        method = KERNELS.get(bias) or LAYER_BIASES.get(bias) or VISIBILITY_RULES[bias]
-        if method.encodes_position and (token_positions or (args.rotary_embeddings and not plan)):
-            which = "rotary embeddings" if args.rotary_embeddings else "token positional embeddings"
-            flag = "--rotary-embeddings" if args.rotary_embeddings else \
-                "--token-positional-embeddings (on in the transformer_lm_sinusoidal and transformer_lm_learned_pos " \
-                "architectures: train a kernel on transformer_lm_kerple)"
-            raise KernelConfigError(
-                f"--bias-kernel {bias} already encodes position, but {which} are on as "
-                f"well; drop {flag}, or use --bias-kernel none (or window) for a positional baseline"
-            )
-
-
 @register_model(MODEL_NAME, dataclass=KernelBiasedLMConfig)
 class KernelBiasedLanguageModel(TransformerLanguageModel):
     """A decoder-only Transformer LM whose attention carries a positional bias kernel."""
@@ -90,7 +51,7 @@ class KernelBiasedLanguageModel(TransformerLanguageModel):
     @classmethod
     def build_model(cls, args, task):
         kerple_base_architecture(args)
-        check_positions(args)
+        check_model(args)
         # TransformerLanguageModel.build_model builds the embeddings (plain, adaptive or
         # character), then the module-level name TransformerDecoder
         with replaced(transformer_lm, "TransformerDecoder", KernelBiasedDecoder):

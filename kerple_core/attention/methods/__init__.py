@@ -18,7 +18,6 @@ from kerple_core.attention.methods.base import (
     CallTransforms,
     attention_method_names,
     attention_method_option_fields,
-    check_composition,
     chosen_methods,
     layout,
     register_attention_method,
@@ -28,5 +27,5 @@ for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["ATTENTION_METHODS", "QUERIES", "SCORES", "STAGES", "WEIGHTS", "AttentionMethod", "CallTransforms",
-           "attention_method_names", "attention_method_option_fields", "check_composition", "chosen_methods",
+           "attention_method_names", "attention_method_option_fields", "chosen_methods",
            "layout", "register_attention_method"]

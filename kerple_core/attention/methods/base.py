@@ -158,14 +158,3 @@ def layout(methods) -> Dict[str, str]:
     places.update({m.name: "score_transform" if m.acts_on == SCORES else "attention_weights"
                    for m in methods if m.acts_on != QUERIES})
     return places
-
-
-def check_composition(methods, other_rewrites=()) -> None:
-    """At most one rewrite of the logits (the methods', and ``other_rewrites``: what else rewrites them,
-    as flags) and one replacement of the softmax per layer."""
-    rewrites = [f"--{m.switch.replace('_', '-')}" for m in methods if m.rewrites_logits()] + list(other_rewrites)
-    if len(rewrites) > 1:
-        raise KernelConfigError(f"{' and '.join(rewrites)} each rewrite the attention logits; choose one")
-    weights = [f"--{m.switch.replace('_', '-')}" for m in methods if m.acts_on == WEIGHTS]
-    if len(weights) > 1:
-        raise KernelConfigError(f"{' and '.join(weights)} each replace the softmax; choose one")
