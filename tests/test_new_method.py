@@ -1,6 +1,6 @@
-"""The cost of a new attention method: one module of its own. A toy method written into a copy of the
-core and the plugin, and no other file changed, is found in fairseq-train's options, the model's configuration, the
-comparison's table and the benchmark's models, and trains."""
+"""The cost of a new attention method, visibility rule or rotary scaling: one module of its own. A toy written into a
+copy of the core and the plugin, and no other file changed, is found in fairseq-train's options, the model's configuration
+(the comparison's table and the benchmark's models for a method), and trains."""
 
 import shutil
 import sys
@@ -147,6 +147,66 @@ print("toy_stretches trained")
 '''
 
 
+TOY_SCALING = '''
+"""A toy rotary scaling: every frequency divided by a fixed factor (linear position interpolation)."""
+
+from dataclasses import dataclass, field
+
+from kerple_core.attention.rotary.scalings.base import RotaryScaling, register_rotary_scaling
+
+
+@dataclass
+class ToyStretchOptions:
+    toy_rotary_divisor: float = field(default=2.0, metadata={"help": "toy: every rotary frequency over this"})
+
+
+@register_rotary_scaling("toy-stretch")
+class ToyStretch(RotaryScaling):
+    options = ToyStretchOptions
+
+    def frequencies(self, rotary, theta, s):
+        return theta / rotary.toy_rotary_divisor
+'''
+
+SCALING_CHECKS = '''
+import sys
+from pathlib import Path
+
+import torch
+
+import kerple_core
+import kerple_fairseq
+assert Path(kerple_fairseq.__file__).parent == Path(sys.argv[1]), kerple_fairseq.__file__
+assert Path(kerple_core.__file__).parent == Path(sys.argv[1]).parent / "kerple_core", kerple_core.__file__
+from fairseq import options
+from fairseq.checkpoint_utils import load_model_ensemble
+from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+from fairseq_cli.train import main
+
+from kerple_core.attention.rotary import ROTARY_SCALINGS, RotaryEmbedding
+from kerple_fairseq.evaluation.cli import build_parser
+from kerple_fairseq.models.config import KernelBiasedLMConfig
+
+data_bin, save_dir = sys.argv[2], sys.argv[3]
+assert "toy-stretch" in ROTARY_SCALINGS and "toy_rotary_divisor" in KernelBiasedLMConfig.__dataclass_fields__
+assert "toy-stretch" in next(a.choices for a in build_parser()._actions if "--rotary-scaling" in a.option_strings)
+flags = [data_bin, "--user-dir", sys.argv[1], "--task", "language_modeling", "--arch", "transformer_lm_rotary",
+         "--rotary-scaling", "toy-stretch", "--toy-rotary-divisor", "4", "--decoder-layers", "2",
+         "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4",
+         "--tokens-per-sample", "32", "--max-tokens", "256", "--optimizer", "adam", "--lr", "0.001", "--cpu",
+         "--max-update", "2", "--num-workers", "0", "--disable-validation", "--no-epoch-checkpoints",
+         "--save-dir", save_dir, "--distributed-world-size", "1"]
+args = options.parse_args_and_arch(options.get_training_parser(), flags)
+assert args.rotary_scaling == "toy-stretch" and args.toy_rotary_divisor == 4.0
+main(convert_namespace_to_omegaconf(args))
+[model], _ = load_model_ensemble([str(Path(save_dir) / "checkpoint_last.pt")])
+rotary = model.decoder.layers[0].self_attn.setup.rotary
+plain = RotaryEmbedding(rotary.head_dim).inverse_frequencies(1.0)
+assert rotary.scaling == "toy-stretch" and torch.equal(rotary.inverse_frequencies(1.0), plain / 4)
+print("toy-stretch trained")
+'''
+
+
 def copy_with(tmp_path, folder, name, source):
     """The core and the plugin copied into ``tmp_path``, with module ``name`` of ``source`` written into the
     core's ``folder`` and no other file changed; the copied plugin's folder."""
@@ -175,3 +235,11 @@ def test_a_visibility_rule_in_a_module_of_its_own_is_everywhere(data_bin, tmp_pa
     comparison's table, and a model that trains."""
     package = copy_with(tmp_path, "visibility", "toy_stretches", TOY_RULE)
     assert "toy_stretches trained" in run_checks(tmp_path, package, RULE_CHECKS, data_bin).stdout
+
+
+@pytest.mark.slow
+def test_a_rotary_scaling_in_a_module_of_its_own_is_everywhere(data_bin, tmp_path):
+    """A position-interpolation-like scaling, one file: a choice of --rotary-scaling for fairseq-train and
+    kerple-eval-lm, its option in the model's configuration, and a model that trains with it."""
+    package = copy_with(tmp_path, "attention/rotary/scalings", "toy_stretch", TOY_SCALING)
+    assert "toy-stretch trained" in run_checks(tmp_path, package, SCALING_CHECKS, data_bin).stdout

@@ -5,20 +5,19 @@ blocks and beam search equal full scoring; bad values are one-line errors."""
 import pytest
 import torch
 
-from kerple_core.attention.rotary import RotaryEmbedding
 from kerple_fairseq.errors import KernelConfigError
 
 from helpers import tiny_model
 from test_decoding_paths_of_newer_methods import beam_search_matches_full_scoring
 from test_layer_biases import log_probs, tokens_of
-from test_rotary_scaling import DIM, assert_logits_by_loops
+from test_rotary_scaling import DIM, assert_logits_by_loops, rotary_with
 
 
 @pytest.mark.parametrize("fraction, rotated", [(0.25, 2), (0.5, 4), (0.75, 6), (0.3, 2)])
 def test_partial_rotary_logits_equal_the_formula_by_loops(fraction, rotated):
     """The first ``floor(p D / 2)`` pairs (``D = 16``: 8 pairs) rotate with ``10000^(-2k/D)``, the rest not."""
     frequencies = [10000.0 ** (-2.0 * k / DIM) if k < rotated else 0.0 for k in range(DIM // 2)]
-    rotary = RotaryEmbedding(DIM, fraction=fraction)
+    rotary = rotary_with(rotary_fraction=fraction)
     torch.testing.assert_close(rotary.inverse_frequencies(1.0), torch.tensor(frequencies, dtype=torch.float64),
                                rtol=0, atol=0)
     assert_logits_by_loops(rotary, frequencies)

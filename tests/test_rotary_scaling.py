@@ -3,6 +3,7 @@ loops of their formulas, on every decoding path, from kerple-eval-lm and from st
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,11 @@ from test_decoding_paths_of_newer_methods import beam_search_matches_full_scorin
 from test_layer_biases import log_probs, tokens_of
 
 DIM, TRAIN = 16, 8
+
+
+def rotary_with(head_dim=DIM, train_length=0, **options):
+    """The rotary embedding of ``head_dim`` with the model options ``options`` (the others their defaults)."""
+    return RotaryEmbedding(head_dim, SimpleNamespace(**options), train_length=train_length)
 
 
 def ntk_frequencies(s):
@@ -57,7 +63,7 @@ def logit_reference(q, k, n, m, frequencies, magnitude=1.0):
     ("yarn", 1000, yarn_frequencies(125.0), 0.1 * math.log(125.0) + 1),
 ])
 def test_scaled_logits_equal_the_formulas_by_loops(scaling, length, frequencies, magnitude):
-    rotary = RotaryEmbedding(DIM, scaling=scaling, train_length=TRAIN, scaling_length=length)
+    rotary = rotary_with(train_length=TRAIN, rotary_scaling=scaling, rotary_scaling_length=length)
     torch.testing.assert_close(rotary.inverse_frequencies(rotary.scale_factor()),
                                torch.tensor(frequencies, dtype=torch.float64), rtol=1e-12, atol=0)
     assert_logits_by_loops(rotary, frequencies, magnitude, tolerance=1e-10)
@@ -88,7 +94,7 @@ def dynamic_scale_reference(position, step, train_length=TRAIN):
 def test_dynamic_ntk_logits_equal_the_formula_by_loops(step):
     """Each query attends with the NTK base of the length it has reached, against every key rotated
     with that base; the blocks of the attention follow the bands of one scale."""
-    rotary = RotaryEmbedding(DIM, scaling="dynamic-ntk", train_length=TRAIN, dynamic_step=step)
+    rotary = rotary_with(train_length=TRAIN, rotary_scaling="dynamic-ntk", dynamic_ntk_step=step)
     torch.manual_seed(0)
     num = 30
     q, k = torch.randn(num, DIM, dtype=torch.float64), torch.randn(num, DIM, dtype=torch.float64)
@@ -106,7 +112,7 @@ def test_dynamic_ntk_logits_equal_the_formula_by_loops(step):
 
 
 def test_dynamic_ntk_bands_start_where_the_scale_changes():
-    rotary = RotaryEmbedding(DIM, scaling="dynamic-ntk", train_length=TRAIN, dynamic_step=3)
+    rotary = rotary_with(train_length=TRAIN, rotary_scaling="dynamic-ntk", dynamic_ntk_step=3)
     assert rotary.band_starts(0, 16) == [8, 11, 14]
     assert rotary.band_starts(9, 7) == [2, 5]  # queries at 9 .. 15: bands start at 11 and 14
     assert rotary.band_starts(11, 1) == [] and rotary.band_starts(0, 8) == []
@@ -120,7 +126,7 @@ def test_dynamic_ntk_bands_start_where_the_scale_changes():
 
 
 def test_yarn_keeps_fast_dimensions_and_interpolates_slow_ones():
-    rotary = RotaryEmbedding(128, scaling="yarn", train_length=512, scaling_length=2048)
+    rotary = rotary_with(128, train_length=512, rotary_scaling="yarn", rotary_scaling_length=2048)
     plain = RotaryEmbedding(128).inverse_frequencies(1.0)
     scaled = rotary.inverse_frequencies(4.0)
     assert scaled[0] == plain[0] and torch.allclose(scaled[-1], plain[-1] / 4)
@@ -131,7 +137,7 @@ def test_yarn_keeps_fast_dimensions_and_interpolates_slow_ones():
 def test_no_scaling_up_to_the_training_length(scaling):
     q = torch.randn(2, 4, 8, DIM)
     plain = RotaryEmbedding(DIM)(q, q, offset=0)
-    scaled = RotaryEmbedding(DIM, scaling=scaling, train_length=TRAIN, scaling_length=TRAIN)(q, q, offset=0)
+    scaled = rotary_with(train_length=TRAIN, rotary_scaling=scaling, rotary_scaling_length=TRAIN)(q, q, offset=0)
     assert all(torch.equal(a, b) for a, b in zip(plain, scaled))
 
 

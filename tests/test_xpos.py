@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from kerple_core.attention.rotary import RotaryEmbedding
 from kerple_fairseq.errors import KernelConfigError
 
 from helpers import tiny_model
 from test_decoding_paths_of_newer_methods import beam_search_matches_full_scoring
 from test_layer_biases import log_probs, tokens_of
+from test_rotary_scaling import rotary_with
 
 XPOS = ["--rotary-xpos"]
 
@@ -41,12 +41,12 @@ def xpos_logit_reference(q, k, n, m, scale_base=512.0):
     (0, 12, 0, 12), (1500, 4, 1000, 504), (2047, 1, 0, 2048)])
 def test_decayed_logits_equal_the_formula_by_loops(first_query, num_queries, first_key, num_keys):
     torch.manual_seed(0)
-    rotary = RotaryEmbedding(8, xpos=True)
+    rotary = rotary_with(8, rotary_xpos=True)
     q = torch.randn(num_queries, 8, dtype=torch.float64)
     k = torch.randn(num_keys, 8, dtype=torch.float64)
     (q_rot,) = rotary(q, offset=first_query)
     (k_rot,) = rotary(k, offset=first_key)
-    q_dec, k_dec = rotary.decay(q_rot, k_rot, first_query, first_key)
+    q_dec, k_dec = rotary.per_block(q_rot, k_rot, first_query, first_key)
     logits = q_dec @ k_dec.T
     for t in range(num_queries):
         for s in range(0, num_keys, max(1, num_keys // 40)):
@@ -57,21 +57,21 @@ def test_decayed_logits_equal_the_formula_by_loops(first_query, num_queries, fir
 
 def test_decay_is_finite_and_accurate_in_fp16_at_16k_positions():
     torch.manual_seed(1)
-    rotary = RotaryEmbedding(32, xpos=True)
+    rotary = rotary_with(32, rotary_xpos=True)
     q, k = torch.randn(1024, 32, dtype=torch.float64), torch.randn(16384, 32, dtype=torch.float64)
     (q,), (k,) = rotary(q, offset=15360), rotary(k, offset=0)
-    q_exact, k_exact = rotary.decay(q, k, 15360, 0)
+    q_exact, k_exact = rotary.per_block(q, k, 15360, 0)
     exact = q_exact @ k_exact.T
-    q16, k16 = rotary.decay(q.half(), k.half(), 15360, 0)
+    q16, k16 = rotary.per_block(q.half(), k.half(), 15360, 0)
     assert torch.isfinite(q16).all() and torch.isfinite(k16).all()
     half = (q16.float() @ k16.float().T).double()
     assert (half - exact).abs().max() < 0.05 * exact.abs().max()
 
 
-def test_without_xpos_the_decay_changes_nothing():
+def test_without_xpos_a_block_is_unchanged():
     q, k = torch.randn(3, 8), torch.randn(5, 8)
-    rotary = RotaryEmbedding(8)
-    assert all(a is b for a, b in zip(rotary.decay(q, k, 2, 0), (q, k)))
+    rotary = rotary_with(8)
+    assert all(a is b for a, b in zip(rotary.per_block(q, k, 2, 0), (q, k)))
 
 
 def test_xpos_needs_rotary_and_a_positive_scale_base():

@@ -10,7 +10,7 @@ from kerple_core.attention.attend import BACKENDS
 from kerple_core.attention.blocks import CPU_BLOCK_SCORES
 from kerple_core.attention.methods import attention_method_option_fields
 from kerple_fairseq.models.position_methods import bias_names
-from kerple_core.attention.rotary import DYNAMIC_NTK_STEP, REROPE_LEAK, REROPE_QUERY_SCALES, ROTARY_SCALINGS
+from kerple_core.attention.rotary import rotary_option_fields
 from kerple_core.kernels import option_fields
 from kerple_core.kernels.registry import SAVED_BEFORE
 from kerple_core.layer_biases import layer_bias_option_fields
@@ -140,82 +140,12 @@ def _make_config():
                 },
             ),
         ),
-        (
-            "rotary_xpos",
-            bool,
-            field(
-                default=False,
-                metadata={
-                    "help": "xPos: with --rotary-embeddings, pair k of each logit decays as "
-                    "zeta_k^((i - j) / --xpos-scale-base), zeta_k = (2k + 0.4 D) / (1.4 D)"
-                },
-            ),
-        ),
-        ("xpos_scale_base", float, field(default=512.0, metadata={"help": "xPos: the decay's scale base"})),
-        (
-            "rotary_fraction",
-            float,
-            field(
-                default=1.0,
-                metadata={
-                    "help": "p-RoPE: rotate the fraction p of the frequency pairs with the highest frequencies "
-                    "and leave the rest unrotated (1: rotary, 0: NoPE)"
-                },
-            ),
-        ),
-        (
-            "rotary_scaling",
-            ChoiceEnum(list(ROTARY_SCALINGS)),
-            field(
-                default="none",
-                metadata={
-                    "help": "scale rotary beyond the training length (--tokens-per-sample), by s = "
-                    "--rotary-scaling-length / training length: ntk (base b s^(D/(D-2))), yarn (frequencies "
-                    "ramped to theta/s, logits times (0.1 ln s + 1)^2); dynamic-ntk: ntk with s from the "
-                    "length each query has reached (in bands of --dynamic-ntk-step); rerope: relative "
-                    "positions from --rerope-window w on seen as w (leaky-rerope: w + (i - j - w) / "
-                    "--rerope-leak); at evaluation: kerple-eval-lm --rotary-scaling, or --model-overrides"
-                },
-            ),
-        ),
-        (
-            "rotary_scaling_length",
-            int,
-            field(default=0, metadata={"help": "the length L_eval of s = L_eval / training length for ntk and "
-                                       "yarn (kerple-eval-lm sets it per evaluated length); 0: s = 1"}),
-        ),
-        (
-            "dynamic_ntk_step",
-            int,
-            field(default=DYNAMIC_NTK_STEP, metadata={
-                "help": "dynamic-ntk: queries beyond the training length share one scale per band of this "
-                "many positions (1: every query its own; larger bands attend in fewer, larger blocks)"}),
-        ),
-        (
-            "rerope_window",
-            int,
-            field(default=0, metadata={"help": "ReRoPE's window w (--rotary-scaling rerope, leaky-rerope); "
-                                       "0: a quarter of the training length"}),
-        ),
-        (
-            "rerope_leak",
-            float,
-            field(default=REROPE_LEAK, metadata={"help": "leaky ReRoPE's k: distances beyond the window grow by "
-                                                 "1/k per position"}),
-        ),
-        (
-            "rerope_query_scale",
-            ChoiceEnum(list(REROPE_QUERY_SCALES)),
-            field(default="log", metadata={
-                "help": "ReRoPE's query scale: log (the reference patches': the query at i times max(1, log(i + 1) "
-                "/ log(training length))) or none", SAVED_BEFORE: "none"}),
-        ),
+        # rotary's options: --rotary-scaling's and those each scaling declares
+        *copied(rotary_option_fields()),
     ]
-    # each kernel, layer bias, visibility rule and attention method declares its own options; copy them so
-    # this dataclass owns its fields
-    for f in option_fields() + layer_bias_option_fields() + visibility_rule_option_fields() + \
-            attention_method_option_fields():
-        plugin_fields.append((f.name, f.type, field(default=f.default, metadata=dict(f.metadata))))
+    # each kernel, layer bias, visibility rule and attention method declares its own options
+    plugin_fields += copied(option_fields() + layer_bias_option_fields() + visibility_rule_option_fields() +
+                            attention_method_option_fields())
     return dataclasses.make_dataclass(
         "KernelBiasedLMConfig",
         plugin_fields,
@@ -223,6 +153,11 @@ def _make_config():
         namespace={"__doc__": "transformer_lm options plus --bias-kernel and the options of every kernel, layer "
                               "bias, visibility rule and attention method."},
     )
+
+
+def copied(fields) -> list:
+    """``fields`` as entries of the configuration, copied so that it owns them."""
+    return [(f.name, f.type, field(default=f.default, metadata=dict(f.metadata))) for f in fields]
 
 
 KernelBiasedLMConfig = _make_config()

@@ -13,8 +13,7 @@ from torch import nn
 
 from kerple_core.attention.blocks import CPU_BLOCK_SCORES
 from kerple_core.attention.distance_bias import DistanceBias
-from kerple_core.attention.rotary import (DYNAMIC_NTK_STEP, REROPE_LEAK, XPOS_SCALE_BASE,
-                                             RotaryEmbedding)
+from kerple_core.attention.rotary import RotaryEmbedding
 from kerple_core.attention.self_attention import AttentionSetup, BiasedSelfAttention
 from kerple_fairseq.errors import KernelConfigError
 from kerple_core.kernels import BiasKernel, build_kernel
@@ -85,7 +84,6 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
     if kernel_name not in kernels:
         kernels[kernel_name] = build_kernel(kernel_name, heads, args, head_dim=head_dim)
     kernel = kernels[kernel_name]
-    rotary_scaling = str(safe_getattr(args, "rotary_scaling", "none"))
     rotary = layer_rotary(args, entry)
     window = safe_getattr(args, "attn_window", 0) if entry is None else entry.window
     builders = [partial(method.build, heads, head_dim, args) for method in layer_methods(args, entry)]
@@ -98,16 +96,7 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
                             cache=_non_negative(args, "max_cache_window", 0, "keep every key"))
     return AttentionSetup(
         bias=DistanceBias(kernel, visibility),
-        rotary=RotaryEmbedding(head_dim, xpos=safe_getattr(args, "rotary_xpos", False),
-                               xpos_scale_base=safe_getattr(args, "xpos_scale_base", XPOS_SCALE_BASE),
-                               scaling=rotary_scaling,
-                               train_length=safe_getattr(args, "tokens_per_sample", 0) or 0,
-                               scaling_length=safe_getattr(args, "rotary_scaling_length", 0),
-                               dynamic_step=safe_getattr(args, "dynamic_ntk_step", DYNAMIC_NTK_STEP),
-                               rerope_window=safe_getattr(args, "rerope_window", 0),
-                               rerope_leak=safe_getattr(args, "rerope_leak", REROPE_LEAK),
-                               rerope_query_scale=str(safe_getattr(args, "rerope_query_scale", "log")),
-                               fraction=safe_getattr(args, "rotary_fraction", 1.0))
+        rotary=RotaryEmbedding(head_dim, args, train_length=safe_getattr(args, "tokens_per_sample", 0) or 0)
         if rotary else None,
         block_size=block_size,
         cpu_block_scores=cpu_block_scores,
