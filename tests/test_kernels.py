@@ -342,12 +342,26 @@ def test_every_kernel_documents_formula_and_paper_section():
                 assert f.metadata.get("help"), f"{name}: option {f.name} has no help"
 
 
+def test_every_rotary_scaling_documents_its_paper_and_options():
+    """Each scaling's module says its formula's source (a paper or post, with its year); each option has help."""
+    import re
+    import sys
+
+    from kerple_core.attention.rotary.scalings import ROTARY_SCALING_CLASSES
+
+    assert set(ROTARY_SCALING_CLASSES) == {"ntk", "dynamic-ntk", "yarn", "rerope", "leaky-rerope", "xpos", "p-rope"}
+    for name, cls in ROTARY_SCALING_CLASSES.items():
+        assert re.search(r"\b20\d\d\b", sys.modules[cls.__module__].__doc__ or ""), name
+        for f in dataclasses.fields(cls.options) if cls.options is not None else ():
+            assert f.metadata.get("help"), f"{name}: option {f.name} has no help"
+
+
 def test_readme_lists_every_kernel_method_and_option():
     """A row per kernel, layer bias and visibility rule (by name) and per attention method (each of its command lines, the
     first cell starting with it), every option of each in the README; the rotary family's by hand."""
     from conftest import REPO
     from kerple_core.attention.methods import ATTENTION_METHODS, attention_method_option_fields
-    from kerple_core.attention.rotary import ROTARY_SCALINGS
+    from kerple_core.attention.rotary import ROTARY_SCALINGS, rotary_option_fields
     from kerple_core.kernels import option_fields
     from kerple_core.layer_biases import LAYER_BIASES, layer_bias_option_fields
     from kerple_core.visibility import VISIBILITY_RULES, visibility_rule_option_fields
@@ -363,6 +377,5 @@ def test_readme_lists_every_kernel_method_and_option():
             attention_method_option_fields():
         flag = "--" + f.name.replace("_", "-")
         assert flag in readme, f"README does not mention {flag}"
-    for flag in ("--xpos-scale-base", "--rotary-scaling-length", "--dynamic-ntk-step", "--rerope-window",
-                 "--rerope-leak", "--layer-positions"):
+    for flag in ["--" + f.name.replace("_", "-") for f in rotary_option_fields()] + ["--layer-positions"]:
         assert flag in readme, f"README does not mention {flag}"

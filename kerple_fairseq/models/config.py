@@ -151,7 +151,7 @@ def _make_config():
         plugin_fields,
         bases=(TransformerLanguageModelConfig,),
         namespace={"__doc__": "transformer_lm options plus --bias-kernel and the options of every kernel, layer "
-                              "bias, visibility rule and attention method."},
+                              "bias, visibility rule, attention method and rotary scaling."},
     )
 
 
