@@ -19,6 +19,7 @@ from helpers import every_encoding
 from kerple_core.attention.methods import attention_method_option_fields
 from kerple_core.kernels import option_fields
 from kerple_core.layer_biases import layer_bias_option_fields
+from kerple_core.visibility import visibility_rule_option_fields
 from kerple_fairseq.models.config import KernelBiasedLMConfig
 from kerple_fairseq.evaluation.loading import load_language_model, token_stream
 from kerple_fairseq.evaluation.scorer import WindowScorer
@@ -191,7 +192,8 @@ HYDRA_RUN = ["task.tokens_per_sample=64", "dataset.max_tokens=512", "optimizatio
 #: the model options that say how a model encodes position
 POSITION_KEYS = ["bias_kernel", "rotary_embeddings", "rotary_xpos", "rotary_fraction", "token_positional_embeddings",
                  "decoder_learned_pos", "attn_window", "layer_positions",
-                 *(f.name for f in option_fields() + layer_bias_option_fields() + attention_method_option_fields())]
+                 *(f.name for f in option_fields() + layer_bias_option_fields() + visibility_rule_option_fields()
+                   + attention_method_option_fields())]
 
 
 def hydra_keys(name):
