@@ -41,7 +41,9 @@ class ToyGain(AttentionMethod):
         return q * self.gain.to(q.dtype)[:, None, None]
 '''
 
-CHECKS = '''
+#: what every check script starts with: the copied packages are the ones imported, and ``parsed`` gives
+#: fairseq-train's arguments for a tiny model of the given model flags (2 updates on CPU into ``save_dir``)
+PREAMBLE = '''
 import sys
 from pathlib import Path
 
@@ -52,24 +54,33 @@ import kerple_fairseq
 assert Path(kerple_fairseq.__file__).parent == Path(sys.argv[1]), kerple_fairseq.__file__
 assert Path(kerple_core.__file__).parent == Path(sys.argv[1]).parent / "kerple_core", kerple_core.__file__
 from fairseq import options
+from fairseq.checkpoint_utils import load_model_ensemble
 from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from fairseq_cli.train import main
 
-from kerple_fairseq.experiments.benchmark import ADDED_METHODS
-from kerple_fairseq.experiments.position_encodings import position_encoding
 from kerple_fairseq.models.config import KernelBiasedLMConfig
 
 data_bin, save_dir = sys.argv[2], sys.argv[3]
+
+
+def parsed(*model_flags):
+    return options.parse_args_and_arch(options.get_training_parser(), [
+        data_bin, "--user-dir", sys.argv[1], "--task", "language_modeling", *model_flags, "--decoder-layers", "2",
+        "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4",
+        "--tokens-per-sample", "32", "--max-tokens", "256", "--optimizer", "adam", "--lr", "0.001", "--cpu",
+        "--max-update", "2", "--num-workers", "0", "--disable-validation", "--no-epoch-checkpoints",
+        "--save-dir", save_dir, "--distributed-world-size", "1"])
+'''
+
+CHECKS = '''
+from kerple_fairseq.experiments.benchmark import ADDED_METHODS
+from kerple_fairseq.experiments.position_encodings import position_encoding
+
 encoding = position_encoding("toy_gain")
-flags = [data_bin, "--user-dir", sys.argv[1], "--task", "language_modeling", *encoding.model_flags(),
-         "--toy-gain-init", "3", "--decoder-layers", "2", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
-         "--decoder-attention-heads", "4", "--tokens-per-sample", "32", "--max-tokens", "256", "--optimizer", "adam",
-         "--lr", "0.001", "--cpu", "--max-update", "2", "--num-workers", "0", "--disable-validation",
-         "--no-epoch-checkpoints", "--save-dir", save_dir, "--distributed-world-size", "1"]
 assert encoding.model_flags() == ["--arch", "transformer_lm_kerple", "--bias-kernel", "none", "--toy-gain"]
 assert ADDED_METHODS["toy-gain"] == ["--toy-gain"]
 assert "toy_gain_init" in KernelBiasedLMConfig.__dataclass_fields__
-args = options.parse_args_and_arch(options.get_training_parser(), flags)
+args = parsed(*encoding.model_flags(), "--toy-gain-init", "3")
 assert args.toy_gain is True and args.toy_gain_init == 3.0
 main(convert_namespace_to_omegaconf(args))
 state = torch.load(Path(save_dir) / "checkpoint_last.pt", weights_only=True)
@@ -110,33 +121,12 @@ class ToyStretches(VisibilityRule):
 '''
 
 RULE_CHECKS = '''
-import sys
-from pathlib import Path
-
-import torch
-
-import kerple_fairseq
-assert Path(kerple_fairseq.__file__).parent == Path(sys.argv[1]), kerple_fairseq.__file__
-from fairseq import options
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-from fairseq_cli.train import main
-
 from kerple_fairseq.experiments.position_encodings import position_encoding
-from fairseq.checkpoint_utils import load_model_ensemble
-from kerple_fairseq.models.config import KernelBiasedLMConfig
 
-data_bin, save_dir = sys.argv[2], sys.argv[3]
 encoding = position_encoding("toy_stretches")
 assert encoding.model_flags() == ["--arch", "transformer_lm_kerple", "--bias-kernel", "toy_stretches"]
 assert "toy_stretch" in KernelBiasedLMConfig.__dataclass_fields__
-flags = [data_bin, "--user-dir", sys.argv[1], "--task", "language_modeling", *encoding.model_flags(),
-         "--toy-stretch", "3", "--decoder-layers", "2", "--decoder-embed-dim", "32",
-         "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4", "--tokens-per-sample", "32",
-         "--max-tokens", "256", "--optimizer", "adam", "--lr", "0.001", "--cpu", "--max-update", "2",
-         "--num-workers", "0", "--disable-validation", "--no-epoch-checkpoints", "--save-dir", save_dir,
-         "--distributed-world-size", "1"]
-args = options.parse_args_and_arch(options.get_training_parser(), flags)
-main(convert_namespace_to_omegaconf(args))
+main(convert_namespace_to_omegaconf(parsed(*encoding.model_flags(), "--toy-stretch", "3")))
 [model], _ = load_model_ensemble([str(Path(save_dir) / "checkpoint_last.pt")])
 visibility = model.decoder.layers[0].self_attn.setup.visibility
 assert [type(rule).name for rule in visibility.rules] == ["toy_stretches"] and visibility.rules[0].stretch == 3
@@ -169,34 +159,12 @@ class ToyStretch(RotaryScaling):
 '''
 
 SCALING_CHECKS = '''
-import sys
-from pathlib import Path
-
-import torch
-
-import kerple_core
-import kerple_fairseq
-assert Path(kerple_fairseq.__file__).parent == Path(sys.argv[1]), kerple_fairseq.__file__
-assert Path(kerple_core.__file__).parent == Path(sys.argv[1]).parent / "kerple_core", kerple_core.__file__
-from fairseq import options
-from fairseq.checkpoint_utils import load_model_ensemble
-from fairseq.dataclass.utils import convert_namespace_to_omegaconf
-from fairseq_cli.train import main
-
 from kerple_core.attention.rotary import ROTARY_SCALINGS, RotaryEmbedding
 from kerple_fairseq.evaluation.cli import build_parser
-from kerple_fairseq.models.config import KernelBiasedLMConfig
 
-data_bin, save_dir = sys.argv[2], sys.argv[3]
 assert "toy-stretch" in ROTARY_SCALINGS and "toy_rotary_divisor" in KernelBiasedLMConfig.__dataclass_fields__
 assert "toy-stretch" in next(a.choices for a in build_parser()._actions if "--rotary-scaling" in a.option_strings)
-flags = [data_bin, "--user-dir", sys.argv[1], "--task", "language_modeling", "--arch", "transformer_lm_rotary",
-         "--rotary-scaling", "toy-stretch", "--toy-rotary-divisor", "4", "--decoder-layers", "2",
-         "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64", "--decoder-attention-heads", "4",
-         "--tokens-per-sample", "32", "--max-tokens", "256", "--optimizer", "adam", "--lr", "0.001", "--cpu",
-         "--max-update", "2", "--num-workers", "0", "--disable-validation", "--no-epoch-checkpoints",
-         "--save-dir", save_dir, "--distributed-world-size", "1"]
-args = options.parse_args_and_arch(options.get_training_parser(), flags)
+args = parsed("--arch", "transformer_lm_rotary", "--rotary-scaling", "toy-stretch", "--toy-rotary-divisor", "4")
 assert args.rotary_scaling == "toy-stretch" and args.toy_rotary_divisor == 4.0
 main(convert_namespace_to_omegaconf(args))
 [model], _ = load_model_ensemble([str(Path(save_dir) / "checkpoint_last.pt")])
@@ -218,7 +186,7 @@ def copy_with(tmp_path, folder, name, source):
 
 def run_checks(tmp_path, package, checks, data_bin):
     script = tmp_path / "checks.py"
-    script.write_text(checks)
+    script.write_text(PREAMBLE + checks)
     return run([sys.executable, script, package, data_bin, tmp_path / "run"], cwd=tmp_path,
                env={"PYTHONPATH": str(tmp_path), "PATH": ""})
 
