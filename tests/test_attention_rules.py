@@ -13,7 +13,7 @@ from kerple_fairseq.errors import KernelConfigError
 
 from attention_rule_reference import (bam_prior, llama4_query_temperature, path_inputs, path_logits, rerope_logits,
                                       selective_logits, ssmax_logits, stick_breaking, swan_query_scale)
-from helpers import tiny_model
+from helpers import parse_model_args, tiny_model
 from reference import alibi_slopes_reference
 from test_layer_biases import log_probs, method_id, tokens_of
 
@@ -273,6 +273,27 @@ def test_ssmax_has_a_scale_per_head_in_each_layer_and_changes_nothing_else():
 def test_bad_options_are_clear_errors(flags, message):
     with pytest.raises(KernelConfigError, match=message):
         tiny_model("none", *flags)
+
+
+def test_rotary_scalings_refused_together_before_the_build_and_when_changed_at_evaluation():
+    """The scalings' one rule (``check_together``) is read by the model's validator from the arguments, with no
+    module built, and by a built embedding whose scaling is changed on a trained model."""
+    from kerple_core.attention.rotary import RotaryEmbedding
+    from kerple_fairseq.models.composition import check_model
+
+    args = parse_model_args("transformer_lm_kerple", "--bias-kernel", "none", "--rotary-embeddings",
+                            "--rotary-xpos", "--rotary-fraction", "0.5")
+    with pytest.raises(KernelConfigError, match="^--rotary-fraction is for plain rotary models, not with --rotary-xpos$"):
+        check_model(args)
+    args.rotary_fraction = 1.0
+    check_model(args)
+    rotary = RotaryEmbedding(8, args, train_length=16)
+    with pytest.raises(KernelConfigError, match="^--rotary-scaling rerope is for plain rotary models, not with "
+                                                "--rotary-xpos$"):
+        rotary.set_scaling("rerope", 16)
+    assert rotary.scaling == "none", "a refused scaling changes nothing"
+    rotary.set_scaling("ntk", 16, 64)
+    assert rotary.scaling == "ntk"
 
 
 def test_an_unknown_ssmax_scope_is_a_clear_error():

@@ -74,12 +74,25 @@ class FireBias(KeepsWhileFrozen, LayerBias):
     def threshold(self) -> Tensor:
         return (self.threshold_multiplier * self.threshold_base).abs()
 
-    def normalised_distance(self, query_positions: Tensor, distances: Tensor) -> Tensor:
-        """``psi(d) / (psi(max(L, i)) + eps)`` for query positions ``[T]`` and distances ``[T, S]``."""
-        c = self.c.to(distances.dtype).abs()
-        threshold = self.threshold().to(distances.dtype)
-        normaliser = torch.log1p(c * torch.maximum(query_positions, threshold)) + NORMALISER_EPS
-        return torch.log1p(c * distances) / normaliser[:, None]
+    def normalised_distance(self, block: QueryBlock, first_position: int):
+        """``u(query, key) = psi(d) / (psi(max(L, i)) + eps)`` of one block's cells as a function of their
+        indices (broadcasting; the form of a score term), ``i`` the query's absolute position and ``d`` its
+        distance to the key (0 for future keys, which are masked later); float32 (float64 in a float64
+        module). Both :meth:`score_term` and :meth:`block_bias` read the bias's input from it."""
+        dtype = precise(self.c.dtype)
+        c = self.c.to(dtype).abs().reshape(1)
+        threshold = self.threshold().to(dtype).reshape(1)
+        # a Python float read in the term becomes a symbolic scalar that PyTorch 2.11's compiler cannot
+        # lower ("unbacked_bindings"): the constant is captured as a tensor
+        eps = torch.full((1,), NORMALISER_EPS, dtype=dtype, device=c.device)
+        first_query = torch.full((1,), first_position + block.query_start, dtype=torch.int64, device=c.device)
+        offset = torch.full((1,), block.offset, dtype=torch.int64, device=c.device)
+
+        def normalised(query, key):
+            distance = (query + offset[0] - key).clamp(min=0).to(dtype)
+            position = (query + first_query[0]).to(dtype)
+            return torch.log1p(c[0] * distance) / (torch.log1p(c[0] * torch.maximum(position, threshold[0])) + eps[0])
+        return normalised
 
     def mlp(self, u: Tensor) -> Tensor:
         """``[H, T, S]`` from normalised distances ``u`` ``[T, S]``."""
@@ -98,9 +111,10 @@ class FireBias(KeepsWhileFrozen, LayerBias):
         return f"query at i = {max_distance}, relative to d = 0"
 
     def block_bias(self, block: QueryBlock, first_position: int, state: Optional[Tensor]) -> Tensor:
-        """Laid out by the MLP over every cell at once, not from :meth:`score_term`, which sums its hidden
-        units one by one (the form FlexAttention's compiler takes): laid out from the term, a block of
-        512 queries of 8 heads with its gradient took 5.3x as long on 2 CPU cores (2.0 s against 0.38 s).
+        """The same normalised distance as :meth:`score_term`'s, read at every cell at once, with the MLP
+        evaluated as two matrix products where the term sums its hidden units one by one (the form
+        FlexAttention's compiler takes): laid out from the term, a block of 512 queries of 8 heads with
+        its gradient took 5.3x as long on 2 CPU cores (2.0 s against 0.38 s).
         Computed for each block while the parameters learn; while they are frozen (evaluation), the
         last few blocks of up to :data:`FROZEN_CELLS` cells are kept, keyed on the block's geometry and
         the versions of the parameters and buffers (:mod:`kerple_core.attention.frozen`)."""
@@ -117,24 +131,15 @@ class FireBias(KeepsWhileFrozen, LayerBias):
         return bias
 
     def score_term(self, block: QueryBlock, first_position: int, state: Optional[Tensor]):
-        """The bias of one cell from its query's position and distance: the MLP of one input, its
-        hidden units summed one by one."""
+        """The bias of one cell: the MLP of its normalised distance, its hidden units summed one by one."""
+        normalised = self.normalised_distance(block, first_position)
         dtype = precise(self.c.dtype)
-        c = self.c.to(dtype).abs().reshape(1)
-        threshold = self.threshold().to(dtype).reshape(1)
-        # a Python float read in the term becomes a symbolic scalar that PyTorch 2.11's compiler cannot
-        # lower ("unbacked_bindings"): the constant is captured as a tensor
-        eps = torch.full((1,), NORMALISER_EPS, dtype=dtype, device=c.device)
         hidden_weight, hidden_bias = self.hidden.weight.to(dtype).reshape(-1), self.hidden.bias.to(dtype)
         out_weight, out_bias = self.out.weight.to(dtype), self.out.bias.to(dtype)
-        first_query = torch.full((1,), first_position + block.query_start, dtype=torch.int64, device=c.device)
-        offset = torch.full((1,), block.offset, dtype=torch.int64, device=c.device)
         width = hidden_bias.numel()
 
         def term(b, h, query, key):
-            distance = (query + offset[0] - key).clamp(min=0).to(dtype)
-            position = (query + first_query[0]).to(dtype)
-            u = torch.log1p(c[0] * distance) / (torch.log1p(c[0] * torch.maximum(position, threshold[0])) + eps[0])
+            u = normalised(query, key)
             total = out_bias[h]
             for unit in range(width):
                 total = total + out_weight[h, unit] * torch.relu(u * hidden_weight[unit] + hidden_bias[unit])
@@ -142,15 +147,11 @@ class FireBias(KeepsWhileFrozen, LayerBias):
         return term
 
     def _block_bias(self, block: QueryBlock, first_position: int) -> Tensor:
-        # float32 (float64 for a float64 module), whatever the model's dtype
-        dtype = precise(self.c.dtype)
-        t = torch.arange(block.num_queries, device=self.c.device, dtype=dtype)
-        s = torch.arange(block.num_keys, device=self.c.device, dtype=dtype)
-        query_positions = first_position + block.query_start + t
-        distances = (block.offset + t[:, None] - s[None, :]).clamp(min=0)  # future cells are masked later
+        normalised = self.normalised_distance(block, first_position)
+        queries = torch.arange(block.num_queries, device=self.c.device)[:, None]
+        keys = torch.arange(block.num_keys, device=self.c.device)[None, :]
         rows = block.num_queries
         if not (torch.is_grad_enabled() and self.c.requires_grad):
             rows = max(1, CELLS_AT_ONCE // (block.num_keys * self.hidden.out_features))
-        pieces = [self.mlp(self.normalised_distance(query_positions[r:r + rows], distances[r:r + rows]))
-                  for r in range(0, block.num_queries, rows)]
+        pieces = [self.mlp(normalised(queries[r:r + rows], keys)) for r in range(0, block.num_queries, rows)]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)

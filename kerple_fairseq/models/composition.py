@@ -1,8 +1,10 @@
 """What composes with what in one model: every rule, checked once before anything is built, from what
 each position method declares (a kernel's, layer bias's or visibility rule's ``encodes_position``, an
 attention method's ``acts_on``, ``rewrites_logits``, ``counts_keys_seen`` and ``acts_in_layer``, a
-visibility's ``by_position``), each broken rule one line saying what to change. The modules that build
-the model then build it without checking it again."""
+visibility's ``by_position``, a rotary scaling's ``plain_rotary_only`` and ``beyond_rotation``), each
+broken rule one line saying what to change. The modules that build the model then build it without
+checking it again; a rotary embedding applies the scalings' rule again (:func:`check_together`) when its
+scaling is changed on a trained model at evaluation, and for a model built from the core alone."""
 
 from typing import List, Optional, Sequence
 
@@ -10,6 +12,7 @@ from fairseq.utils import safe_getattr
 
 from kerple_core.attention.methods import WEIGHTS, chosen_methods
 from kerple_core.attention.rotary import RE_ROPE
+from kerple_core.attention.rotary.scalings import check_together, chosen_scalings
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.models.position_methods import VISIBILITY_RULE, position_method
 from kerple_fairseq.models.position_plan import LayerPositions, describe_entry, parse_plan
@@ -45,6 +48,8 @@ def check_one_source_of_position(args, plan: Sequence[LayerPositions]) -> None:
         if on and not rotary:
             raise KernelConfigError(f"{option} changes rotary embeddings: add --rotary-embeddings "
                                     "(or use --arch transformer_lm_rotary)")
+    if rotary:
+        check_together(chosen_scalings(args, str(safe_getattr(args, "rotary_scaling", "none"))))
     if token_positions and rotary:
         raise KernelConfigError(
             "--token-positional-embeddings and --rotary-embeddings are two position encodings; "

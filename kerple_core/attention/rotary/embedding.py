@@ -10,7 +10,13 @@ from fairseq.dataclass import ChoiceEnum
 from torch import Tensor, nn
 
 from kerple_core.attention.rotary.rotation import ROTARY_BASE, frequencies, rotate
-from kerple_core.attention.rotary.scalings import ROTARY_SCALING_CLASSES, RotaryScaling, by_precedence
+from kerple_core.attention.rotary.scalings import (
+    ROTARY_SCALING_CLASSES,
+    RotaryScaling,
+    by_precedence,
+    check_together,
+    chosen_scalings,
+)
 from kerple_core.errors import KernelConfigError
 from kerple_core.kernels.registry import declared_fields, options_from
 
@@ -55,10 +61,6 @@ class RotaryEmbedding(nn.Module):
                 setattr(self, name, value)
         for scaling in self.scalings:
             scaling.check_options(self)
-        switched = [s for s in self.scalings if s.switch and s.chosen(self)]
-        for i, scaling in enumerate(switched):
-            for other in switched[i + 1:]:
-                refuse_together(scaling, other)
         own = options_from(RotaryOptions, cfg)
         self.set_scaling(str(own["rotary_scaling"]), train_length, own["rotary_scaling_length"])
 
@@ -72,17 +74,14 @@ class RotaryEmbedding(nn.Module):
             raise KernelConfigError(f"--rotary-scaling {scaling} needs the training length (--tokens-per-sample)")
         if scaling_length < 0:
             raise KernelConfigError(f"--rotary-scaling-length must be >= 0, got {scaling_length}")
+        check_together(chosen_scalings(self, scaling))
         if scaling != "none":
-            choice = self._named(scaling)
-            choice.check_training_length(self, train_length)
-            for other in self.scalings:
-                if other.switch and other.chosen(self):
-                    refuse_together(choice, other)
+            self._named(scaling).check_training_length(self, train_length)
         self.scaling, self.train_length, self.scaling_length = scaling, train_length, scaling_length
 
     def acting(self) -> List[RotaryScaling]:
         """The scalings that act, in the order they act."""
-        return [s for s in self.scalings if s.chosen(self)]
+        return [s for s in self.scalings if s.chosen(self, self.scaling)]
 
     def scale_factor(self) -> float:
         """``s`` of every position: 1 without a ``--rotary-scaling`` choice, else the choice's."""
@@ -156,14 +155,6 @@ class RotaryEmbedding(nn.Module):
         # the scalings of options of their own first, then the --rotary-scaling choice
         described = sorted(self.acting(), key=lambda scaling: not scaling.switch)
         return f"head_dim={self.head_dim}" + "".join(scaling.describe(self) for scaling in described)
-
-
-def refuse_together(a: RotaryScaling, b: RotaryScaling) -> None:
-    """Refuse a scaling defined on plain rotary only beside one that goes beyond a rotation."""
-    for plain, beyond in ((a, b), (b, a)):
-        if plain.plain_rotary_only and beyond.beyond_rotation:
-            raise KernelConfigError(f"{plain.command_line()} is for plain rotary models, not with "
-                                    f"{beyond.command_line()}")
 
 
 def rotary_option_fields() -> List[dataclasses.Field]:

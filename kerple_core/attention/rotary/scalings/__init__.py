@@ -12,10 +12,13 @@ from kerple_core.attention.rotary.scalings.base import (
     ROTARY_SCALING_CLASSES,
     RotaryScaling,
     by_precedence,
+    check_together,
+    chosen_scalings,
     register_rotary_scaling,
 )
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["ROTARY_SCALING_CLASSES", "RotaryScaling", "by_precedence", "register_rotary_scaling"]
+__all__ = ["ROTARY_SCALING_CLASSES", "RotaryScaling", "by_precedence", "check_together", "chosen_scalings",
+           "register_rotary_scaling"]

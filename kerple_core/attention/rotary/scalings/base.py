@@ -15,6 +15,7 @@ from typing import Callable, ClassVar, Dict, List, Optional, Type
 
 from torch import Tensor
 
+from kerple_core.errors import KernelConfigError
 from kerple_core.kernels.registry import registrar
 
 ROTARY_SCALING_CLASSES: Dict[str, Type["RotaryScaling"]] = {}
@@ -42,9 +43,11 @@ class RotaryScaling:
         """The option that chooses it, as its messages name it."""
         return f"--{cls.switch.replace('_', '-')}" if cls.switch else f"--rotary-scaling {cls.name}"
 
-    def chosen(self, rotary) -> bool:
-        """It acts in ``rotary``: its name is the ``--rotary-scaling`` choice, or its switch is on."""
-        return bool(getattr(rotary, self.switch)) if self.switch else rotary.scaling == self.name
+    @classmethod
+    def chosen(cls, options, scaling: str) -> bool:
+        """It acts, given ``options`` (an embedding, or a model's arguments) and ``scaling``, the
+        ``--rotary-scaling`` choice: its name is the choice, or its switch is on."""
+        return bool(getattr(options, cls.switch, False)) if cls.switch else scaling == cls.name
 
     def check_options(self, rotary) -> None:
         """Refuse bad values of its options (every scaling's are checked, chosen or not)."""
@@ -98,3 +101,19 @@ register_rotary_scaling = registrar(ROTARY_SCALING_CLASSES, RotaryScaling, "rota
 def by_precedence() -> List[Type[RotaryScaling]]:
     """Every registered scaling, in the order they act."""
     return sorted(ROTARY_SCALING_CLASSES.values(), key=lambda cls: (cls.precedence, cls.name))
+
+
+def chosen_scalings(options, scaling: str) -> List[Type[RotaryScaling]]:
+    """The scalings that act: those whose switch is on in ``options`` (an embedding, or a model's
+    arguments) and the one named ``scaling`` (``--rotary-scaling``'s choice), in the order they act."""
+    return [cls for cls in by_precedence() if cls.chosen(options, scaling)]
+
+
+def check_together(scalings: List[Type[RotaryScaling]]) -> None:
+    """The one rule of what composes among scalings, from what each declares: one defined on plain
+    rotary only is refused beside one that goes beyond a rotation."""
+    for plain in scalings:
+        for beyond in scalings:
+            if plain.plain_rotary_only and beyond.beyond_rotation:
+                raise KernelConfigError(f"{plain.command_line()} is for plain rotary models, not with "
+                                        f"{beyond.command_line()}")

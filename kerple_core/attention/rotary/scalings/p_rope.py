@@ -26,8 +26,10 @@ class PartialRotary(RotaryScaling):
     precedence = 11
     plain_rotary_only = True
 
-    def chosen(self, rotary) -> bool:
-        return rotary.rotary_fraction < 1.0
+    @classmethod
+    def chosen(cls, options, scaling: str) -> bool:
+        fraction = getattr(options, "rotary_fraction", None)
+        return fraction is not None and fraction < 1.0
 
     def check_options(self, rotary) -> None:
         if not 0.0 <= rotary.rotary_fraction <= 1.0:
