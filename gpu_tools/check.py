@@ -7,7 +7,8 @@ time to the next; one that overruns is cut, what it finished kept, and the next 
 2. **install**: what the environment lacks of the bundle (:mod:`gpu_tools.bundle`) and this checkout,
    nothing it holds changed (``pip list`` before and after), then ``import fairseq, kerple_fairseq``;
    a refusal or a failed import ends the command;
-3. **cuda-tests**: ``tests/test_cuda.py`` (the CUDA tier), a per-test timeout, a JUnit XML file;
+3. **cuda-tests**: ``tests/test_cuda.py`` and ``tests/test_fused_attention.py`` (the CUDA tier), a per-test
+   timeout, a JUnit XML file;
 4. **speed**: KERPLE Table 4's setting, ``scripts/benchmark.py`` on the 247M model in fp16, and its profile;
 5. **train**: the bundle's sample preprocessed, then a short fp16 run of ALiBi's recipe on the 247M
    model, ``alibi`` and ``kerple_log`` side by side, a checkpoint saved every 50 updates;
@@ -74,6 +75,8 @@ TINY_SPEED = ["--baseline", "sinusoidal", "--models", "alibi", "kerple_log", "--
               "--profile", "3"]
 #: each step's share of the budget in seconds (575 in all: the default --budget); on a fresh H100 the
 #: CUDA tier's 244 tests took about 210 s (its FlexAttention compiles cold), 100 s once compiled
+#: the CUDA tier: the tests marked cuda, and the fused backend's tests (on CUDA where a GPU is)
+CUDA_TIER = ("test_cuda.py", "test_fused_attention.py")
 SHARES = {"preflight": 15, "install": 30, "cuda-tests": 260, "speed": 100, "train": 120, "eval": 50}
 STEPS = tuple(SHARES)
 #: variables that make cuBLAS and cuDNN (NVIDIA's) or PyTorch's cuBLAS calls use TF32 for float32,
@@ -153,9 +156,9 @@ def commands(step: str, paths: Paths, python: str, mode: str, limit: float = 0.0
         timeout = [] if timeout_version == "absent" else [f"--timeout={TEST_TIMEOUT}"]
         if timeout and Version(timeout_version) >= Version("2.3"):  # its first with --session-timeout
             timeout.append(f"--session-timeout={max(limit - SESSION_MARGIN, 1):.0f}")
-        return {"pytest": [python, "-m", "pytest", "-m", "cuda", "-q", "-rfEs", "-p", "no:cacheprovider", *workers,
-                           "--continue-on-collection-errors", *timeout, "--durations=10",
-                           f"--junitxml={paths.junit}", str(paths.repo / "tests" / "test_cuda.py")]}
+        return {"pytest": [python, "-m", "pytest", "-m", "cuda or fused", "-q", "-rfEs", "-p", "no:cacheprovider",
+                           *workers, "--continue-on-collection-errors", *timeout, "--durations=10",
+                           f"--junitxml={paths.junit}", *(str(paths.repo / "tests" / name) for name in CUDA_TIER)]}
     if step == "speed":
         return {"benchmark": [python, str(scripts / "benchmark.py"), *(TINY_SPEED if small else SPEED),
                               "--json", str(paths.speed)]}

@@ -29,6 +29,11 @@ fi
 # editable: every command (kerple-eval-lm, kerple-analyze, fairseq-train --user-dir kerple_fairseq) runs
 # this checkout's code, edits included
 "$py" -m pip install -q --no-build-isolation -e ".[test,plots]"
+# Triton, for the tests of the fused attention backend (its interpreter runs the kernels on CPU tensors); a
+# Triton already there (a CUDA PyTorch's own) is kept. 3.8: 3.6's interpreter fails on NumPy 2.4
+if ! "$py" -c "import triton" 2>/dev/null; then
+  "$py" -m pip install -q "triton==3.8.0"
+fi
 # fairseq resolves `--user-dir kerple_fairseq` given outside this folder beside its own package: a link
 # there to this checkout's folder (the same files) lets that spelling work from any directory
 link="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kerple_fairseq"

@@ -16,6 +16,13 @@ from pathlib import Path
 
 import pytest
 
+# without a GPU, Triton's kernels (the fused attention backend) run on CPU tensors under its interpreter,
+# which must be chosen before Triton is first imported
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -36,6 +43,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts processes (fairseq-train, fairseq-eval-lm, the scripts); "
                             "deselect with -m 'not slow'")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; scripts/gpu-check.sh runs this tier (-m cuda)")
+    config.addinivalue_line("markers", "fused: the fused Triton backend's tests, on CUDA where a GPU is (in "
+                            "scripts/gpu-check.sh's tier too), else under Triton's interpreter")
     config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist's --dist loadgroup runs in one worker")
     if WORKER:
         _share_the_cpus(config)

@@ -17,7 +17,7 @@ from kerple_core.attention.blocks import QueryBlock
 pytestmark = pytest.mark.cuda
 
 CUDA = torch.device("cuda")
-BACKENDS = ["flex", "sdpa", "explicit"]
+BACKENDS = ["fused", "flex", "sdpa", "explicit"]
 #: methods checked in half precision, at 4096 tokens and in decoding (every one in float32)
 FEW = ["alibi", "kerple_log", "kerple_bias_wht", "fire", "fox"]
 #: the comparison's encodings and learned positions that FLEX_METHODS lacks (the attention rules, DAPE, the

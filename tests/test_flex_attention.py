@@ -204,13 +204,14 @@ def test_where_flex_is_chosen():
     with FakeTensorMode():  # CUDA: in training too, for any length, with heads of 16 dimensions or more
         cuda = torch.empty(1, 4, 100, 16, device=torch.device("cuda", 0))
         narrow = torch.empty(1, 4, 100, 8, device=torch.device("cuda", 0))
-    assert backend(cuda, cuda) == "flex"
-    assert backend(cuda, cuda, dropout=0.1) == "sdpa"
-    assert backend(narrow, narrow) == "sdpa", "FlexAttention's CUDA kernels take 16 dimensions or more"
+    # where the fused kernel serves, CUDA takes it first (tests/test_fused_attention.py); FlexAttention asked for
+    assert backend(cuda, cuda, preference="flex") == "flex"
+    assert backend(cuda, cuda, dropout=0.1, preference="flex") == "sdpa"
+    assert backend(narrow, narrow, preference="flex") == "sdpa", "FlexAttention's CUDA kernels take 16 dimensions or more"
     fox_cuda = LayerBlockBias(bias, tiny_model("fox").decoder.layers[0].self_attn.layer_bias, 0, None)
-    assert backend(cuda, cuda, bias=fox_cuda) == "sdpa", "no backward of a layer's own term on CUDA"
+    assert backend(cuda, cuda, bias=fox_cuda, preference="flex") == "sdpa", "no backward of a layer's own term on CUDA"
     with torch.no_grad():
-        assert backend(cuda, cuda, bias=fox_cuda) == "flex", "a layer's own term in evaluation on CUDA"
+        assert backend(cuda, cuda, bias=fox_cuda, preference="flex") == "flex", "a layer's own term in evaluation"
     with pytest.raises(ValueError, match="unknown attention backend"):
         backend(q, q, preference="triton")
 

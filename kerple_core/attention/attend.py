@@ -7,6 +7,9 @@ weight of a weight kernel, only when a backend asks) and picks a backend
 
 - **explicit**: ``softmax(S * W + B) V`` with the scores ``S = q k^T`` materialised; the
   reference path, and the only one that returns probabilities or takes a score transform;
+- **fused**: a Triton kernel in FlashAttention-2's tiling (:mod:`kerple_core.attention.fused`) that reads
+  a distance kernel's per-distance values (and the Forgetting Transformer's gate state) inside the kernel,
+  forward and backward, attention dropout included; by default on CUDA wherever it serves;
 - **flex**: FlexAttention (:mod:`kerple_core.attention.flex`) with the bias read inside
   the kernel from its per-distance values (and a layer's own term), added in float32, never
   laid out; on CUDA in training and evaluation (not with attention dropout, which it lacks),
@@ -46,7 +49,7 @@ from torch import Tensor
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kerple_core.attention import flex, kernel_gradient
+from kerple_core.attention import flex, fused, kernel_gradient
 from kerple_core.attention.blocks import QueryBlock
 from kerple_core.attention.block_bias import BlockBias
 from kerple_core.precision import precise
@@ -57,7 +60,7 @@ ScoreTransform = Callable[[Tensor, Tensor, Tensor], Tensor]
 AttentionWeights = Callable[[Tensor, QueryBlock], Tensor]
 
 #: ``--attention-backend`` choices
-BACKENDS = ("auto", "flex", "sdpa", "explicit")
+BACKENDS = ("auto", "fused", "flex", "sdpa", "explicit")
 #: fewest keys from which ``auto`` uses compiled FlexAttention on CPU: whole-model evaluation
 #: (scripts/benchmark.py, 2 cores) measured it even with sdpa at 2048 keys and 0.2-0.25x of ``none``'s
 #: time ahead at 8192
@@ -96,7 +99,9 @@ class AttentionRecord:
 def choose_backend(q: Tensor, k: Tensor, bias: BlockBias, *, preference: str = "auto", dropout: float,
                    key_padding_mask: Optional[Tensor], need_probabilities: bool, needs_scores: bool = False) -> str:
     """The backend for a block. Explicit wherever scores or probabilities are needed (weights
-    requested, an attention method that ``needs_scores``) or asked for. Then FlexAttention where it serves
+    requested, an attention method that ``needs_scores``) or asked for. Then the fused kernel where it
+    serves (:func:`~kerple_core.attention.fused.serves`), if asked for, and by default on CUDA (training,
+    with any dropout, and evaluation). Then FlexAttention where it serves
     (:func:`flex_serves`), if asked for, and by default on CUDA and for at least
     :data:`FLEX_MIN_KEYS_CPU` keys on CPU. Otherwise explicit for key padding or a weight kernel,
     the kernel gradient backend where it applies, else sdpa."""
@@ -104,6 +109,8 @@ def choose_backend(q: Tensor, k: Tensor, bias: BlockBias, *, preference: str = "
         raise ValueError(f"unknown attention backend {preference!r}; choose one of: {', '.join(BACKENDS)}")
     if preference == "explicit" or need_probabilities or needs_scores:
         return "explicit"
+    if (preference == "fused" or (preference == "auto" and q.device.type == "cuda")) and fused.serves(q, bias):
+        return "fused"
     if preference != "sdpa" and flex_serves(q, bias, dropout, key_padding_mask) and (
             preference == "flex" or q.device.type == "cuda" or k.size(2) >= FLEX_MIN_KEYS_CPU):
         return "flex"
@@ -146,6 +153,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: BlockBias, *, preference: str 
                              needs_scores=score_transform is not None or weights is not None)
     if record is not None:
         record.backends[backend] += 1
+    if backend == "fused":
+        return fused.attend(q, k, v, bias, dropout=dropout, key_padding_mask=key_padding_mask), None
     if backend == "flex":
         padding = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
         return flex.attend(q, k, v, bias.score_mod(q.dtype, q.device), bias.block_mask(q.device, padding)), None

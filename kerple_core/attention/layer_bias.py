@@ -57,6 +57,16 @@ class LayerBlockBias(BlockBiasOnTop):
         """Both biases are 0 wherever they are finite."""
         return self.base.only_masks and not self.layer_bias.encodes_position
 
+    @property
+    def has_state_difference(self) -> bool:
+        """The layer's term is ``state[query] - state[key]`` of its per-key state (the Forgetting Transformer's),
+        which a backend may read as :meth:`state_difference`."""
+        return self.layer_bias.term_is_state_difference
+
+    def state_difference(self) -> Tensor:
+        """``[batch, heads, keys]``: the state of the block's keys; query ``t`` reads key ``offset + t``'s."""
+        return self.state[:, :, self.block.key_start:self.block.key_end]
+
     def mask(self, dtype: torch.dtype, device) -> Tensor:
         """``[heads, queries, keys]`` or ``[batch, heads, queries, keys]``: both biases, ``-inf``
         for keys a query may not see."""

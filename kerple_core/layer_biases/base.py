@@ -39,6 +39,9 @@ class LayerBias(nn.Module):
     distance_kernel: ClassVar[str] = "none"
     #: the constructor takes ``train_length``, the model's ``--tokens-per-sample``
     needs_train_length: ClassVar[bool] = False
+    #: :meth:`score_term` is ``state[query] - state[key]`` of :meth:`key_state` (query ``t`` of a block being
+    #: key ``offset + t``): a backend may read the state instead of the term
+    term_is_state_difference: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, embed_dim: int):
         super().__init__()

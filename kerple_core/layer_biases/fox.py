@@ -21,6 +21,7 @@ class ForgetGates(LayerBias):
     it from the cached value of the last position."""
 
     curves_need_inputs = True
+    term_is_state_difference = True
 
     def gate_logits(self, x: Tensor) -> Tensor:
         """``[batch, heads, T]`` logits of the forget gates for the layer input ``x`` ``[T, batch, E]``."""

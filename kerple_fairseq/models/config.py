@@ -113,10 +113,12 @@ def _make_config():
             field(
                 default="auto",
                 metadata={
-                    "help": "how attention is computed: flex (FlexAttention, the bias read inside the fused "
-                    "kernel; on CPU only without gradients), sdpa (PyTorch's scaled_dot_product_attention "
+                    "help": "how attention is computed: fused (a Triton kernel reading the per-distance bias and "
+                    "FoX's gates, dropout included; CUDA, or CPU under TRITON_INTERPRET=1), flex (FlexAttention, "
+                    "the bias read inside the fused kernel; on CPU only without gradients), sdpa (PyTorch's scaled_dot_product_attention "
                     "with the bias laid out as a mask), explicit (matmul and softmax, the reference path); "
-                    "auto: flex on CUDA and for long evaluation blocks on CPU, else sdpa. Methods a backend "
+                    "auto: fused on CUDA where it serves, then flex on CUDA and for long evaluation blocks on CPU, "
+                    "else sdpa. Methods a backend "
                     "cannot serve fall back (DAPE and CoPE: explicit)"
                 },
             ),

@@ -1,0 +1,204 @@
+"""Fused distance-bias attention: one Triton kernel, forward and backward, dropout included.
+
+The bias is read inside the kernel from the per-distance values a
+:class:`~kerple_core.attention.distance_bias.DistanceBias` computes once per forward (``[heads,
+distances]``, float32; a weight kernel's ``W`` likewise), and, for the Forgetting Transformer, from the
+per-key state of its cumulative log forget gates (its term ``c_i - c_j``); it is added in float32 to the
+float32 scores and never laid out. Tiles wholly in the future or outside an attention window are skipped.
+Attention dropout is applied inside the kernel from a counter-based random stream (a seed drawn from
+PyTorch's generator and each cell's index), which the backward regenerates: no mask is stored. The
+backward returns the gradients of the queries, keys and values, of the per-distance values (each tile's
+logit gradients summed along its diagonals) and of the gates' state (row and column sums), from which
+autograd reaches every kernel's and gate's parameters. The kernels are in
+:mod:`kerple_core.attention.fused_kernels` (FlashAttention-2's tiling).
+
+It serves CUDA tensors, and CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, which the
+tests use), for float32, float16 and bfloat16 inputs with float32 accumulation (float32 products in IEEE
+precision, not TF32).
+"""
+
+import functools
+import importlib.util
+import os
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from kerple_core.attention.block_bias import BlockBias
+from kerple_core.attention.distance_bias import DistanceBlockBias
+from kerple_core.attention.layer_bias import LayerBlockBias
+
+#: dtypes the kernel takes
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: largest head dimension (one tile of the head's dimensions)
+MAX_HEAD_DIM = 128
+#: queries and keys per tile
+BLOCK_M = BLOCK_N = 64
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Triton is installed."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    """Triton's interpreter runs the kernels on CPU tensors (``TRITON_INTERPRET=1`` before Triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def kernels():
+    """The Triton kernels, imported on first use (importing Triton is left to the run that needs it)."""
+    from kerple_core.attention import fused_kernels
+    return fused_kernels
+
+
+class FusedInputs(NamedTuple):
+    """What the kernel reads of a block's bias: float32 ``bias`` ``[heads, distances]``, ``weight`` likewise
+    (None: no weight kernel), ``gates`` ``[batch, heads, keys]`` (None: no gates), the block's ``offset``
+    (query ``t`` and key ``s`` are ``offset + t - s`` apart) and attention ``window`` (0: none)."""
+
+    bias: Tensor
+    weight: Optional[Tensor]
+    gates: Optional[Tensor]
+    offset: int
+    window: int
+
+
+def distance_part(bias: BlockBias) -> Optional[DistanceBlockBias]:
+    """The distance kernel's bias the kernel reads, or None where it does not serve ``bias``: a distance
+    kernel's bias under a visibility of distances alone (causality, a window), alone or with a layer's term
+    that is a difference of a per-key state (the Forgetting Transformer's)."""
+    if isinstance(bias, LayerBlockBias):
+        if not bias.has_state_difference:
+            return None
+        bias = bias.base
+    return bias if type(bias) is DistanceBlockBias and not bias.by_position else None
+
+
+def fused_inputs(bias: BlockBias, device) -> FusedInputs:
+    """The kernel's inputs for a block's bias that it serves (:func:`distance_part`)."""
+    distances = distance_part(bias)
+    values = distances.distance_values("bias", torch.float32, device)
+    weight = distances.distance_values("weight", torch.float32, device) if distances.has_weight else None
+    gates = bias.state_difference() if isinstance(bias, LayerBlockBias) else None
+    return FusedInputs(values, weight, gates, distances.block.offset, distances.source.visibility.window)
+
+
+def serves(q: Tensor, bias: BlockBias) -> bool:
+    """The kernel can attend the block: Triton installed, CUDA tensors (or CPU ones under the interpreter), a
+    dtype it takes, heads of at most :data:`MAX_HEAD_DIM` dimensions, a bias it reads (:func:`distance_part`)."""
+    if not available() or q.dtype not in DTYPES or q.size(-1) > MAX_HEAD_DIM:
+        return False
+    if not (q.device.type == "cuda" or (q.device.type == "cpu" and interpreted())):
+        return False
+    return distance_part(bias) is not None
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, bias: BlockBias, *, dropout: float = 0.0,
+           key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """``softmax(q k^T * W + B + c_i - c_j)`` (dropped out) times ``v`` for ``q`` ``[B, H, T, D]`` (already
+    scaled), ``k``, ``v`` ``[B, H, S, D]``, ``key_padding_mask`` ``[B, S]`` (True: padding)."""
+    inputs = fused_inputs(bias, q.device)
+    gates = None if inputs.gates is None else inputs.gates.to(torch.float32)
+    padding = None if key_padding_mask is None else key_padding_mask.to(torch.int8).contiguous()
+    # the stream's seed from PyTorch's CPU generator (seeded by fairseq's --seed): no device is waited for
+    seed = int(torch.randint(0, 2 ** 30, (1,)).item()) if dropout > 0 else 0
+    return _FusedAttention.apply(q, k, v, inputs.bias, inputs.weight, gates, padding, inputs.offset, inputs.window,
+                                 float(dropout), seed)
+
+
+def keep_mask(batch_heads: int, num_queries: int, num_keys: int, dropout: float, seed: int, device) -> Tensor:
+    """``[batch * heads, queries, keys]`` bool: the cells the kernel keeps under dropout ``dropout`` with
+    ``seed`` (the same stream as the kernel's; for tests)."""
+    out = torch.empty(batch_heads, num_queries, num_keys, dtype=torch.int8, device=device)
+    grid = (triton_cdiv(num_queries, BLOCK_M), triton_cdiv(num_keys, BLOCK_N), batch_heads)
+    kernels().keep_mask_kernel[grid](out, seed, num_keys, num_queries, dropout, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    return out.bool()
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _placeholder(device) -> Tensor:
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
+class _FusedAttention(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, q, k, v, values, weight, gates, padding, offset, window, dropout, seed):
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k.stride(-1) != 1:
+            k = k.contiguous()
+        if v.stride(-1) != 1:
+            v = v.contiguous()
+        batch, heads, num_queries, head_dim = q.shape
+        num_keys = k.size(2)
+        placeholder = _placeholder(q.device)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(batch, heads, num_queries, dtype=torch.float32, device=q.device)
+        values = values.contiguous()
+        gates_in = placeholder if gates is None else gates.contiguous()
+        flags = dict(HAS_WEIGHT=weight is not None, HAS_GATES=gates is not None, HAS_PADDING=padding is not None,
+                     HAS_DROPOUT=dropout > 0, IEEE=q.dtype == torch.float32,
+                     UPCAST=interpreted() and q.dtype == torch.bfloat16)
+        grid = (triton_cdiv(num_queries, BLOCK_M), batch * heads)
+        kernels().forward_kernel[grid](
+            q, k, v, out, lse, values, placeholder if weight is None else weight.contiguous(), gates_in,
+            placeholder if padding is None else padding, seed, dropout,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            heads, num_queries, num_keys, values.size(1), offset, window, **flags,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, _next_power_of_2(head_dim)), D=head_dim)
+        ctx.save_for_backward(q, k, v, out, lse, values, weight, gates_in, padding)
+        ctx.settings = (offset, window, dropout, seed, flags)
+        ctx.needs = (ctx.needs_input_grad[3] or ctx.needs_input_grad[4], gates is not None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, values, weight, gates, padding = ctx.saved_tensors
+        offset, window, dropout, seed, flags = ctx.settings
+        bias_grad, has_gates = ctx.needs
+        grad_out = grad_out.contiguous()
+        batch, heads, num_queries, head_dim = q.shape
+        num_keys, num_distances = k.size(2), values.size(1)
+        placeholder = _placeholder(q.device)
+        delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+        grad_q = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        grad_k = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        grad_v = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        grad_key_gates = torch.zeros(batch, heads, num_keys, dtype=torch.float32, device=q.device) \
+            if has_gates else placeholder
+        grad_query_gates = torch.zeros(batch, heads, num_queries, dtype=torch.float32, device=q.device) \
+            if has_gates else placeholder
+        grad_values = torch.zeros_like(values) if bias_grad else placeholder
+        grad_weight = torch.zeros_like(weight) if bias_grad and weight is not None else placeholder
+        common = (values, placeholder if weight is None else weight, gates,
+                  placeholder if padding is None else padding, seed, dropout,
+                  q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                  v.stride(0), v.stride(1), v.stride(2),
+                  grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+                  heads, num_queries, num_keys, num_distances, offset, window)
+        tiles = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, _next_power_of_2(head_dim)), D=head_dim)
+        kernels().backward_keys_kernel[(triton_cdiv(num_keys, BLOCK_N), batch * heads)](
+            q, k, v, grad_out, lse, delta, grad_k, grad_v, grad_key_gates, *common, **flags, **tiles)
+        kernels().backward_queries_kernel[(triton_cdiv(num_queries, BLOCK_M), batch * heads)](
+            q, k, v, grad_out, lse, delta, grad_q, grad_query_gates, grad_values, grad_weight, *common, **flags,
+            BIAS_GRAD=bias_grad, **tiles)
+        grad_gates = None
+        if has_gates:
+            grad_gates = grad_key_gates
+            grad_gates[..., offset:offset + num_queries] += grad_query_gates
+        return (grad_q, grad_k, grad_v, grad_values if bias_grad else None,
+                grad_weight if bias_grad and weight is not None else None, grad_gates,
+                None, None, None, None, None)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

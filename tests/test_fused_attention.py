@@ -1,0 +1,298 @@
+"""The fused Triton backend (``--attention-backend fused``) against the explicit path: outputs and every
+gradient (queries, keys, values, the kernels' and gates' parameters) for every distance kernel, the
+Forgetting Transformer and rotary; dense, in blocks, under a window, with padded keys, decoding one token at a
+time; dropout regenerated from the kernel's own stream; float32, float16 and bfloat16 inputs; head widths
+16 to 128. Without a GPU the kernels run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``,
+set by conftest.py before Triton is imported); with one, on CUDA."""
+
+import pytest
+import torch
+
+from helpers import moved, random_tokens, tiny_model
+from kerple_core.attention import fused
+from kerple_core.attention.attend import biased_scores, choose_backend
+from kerple_core.attention.blocks import QueryBlock
+from kerple_core.attention.distance_bias import DistanceBias
+from kerple_core.attention.self_attention import recorded
+from kerple_core.kernels import KERNELS
+from kerple_core.kernels.registry import build_kernel
+from kerple_core.visibility import Visibility
+
+pytestmark = pytest.mark.fused
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+#: every method the kernel serves: each distance kernel, the Forgetting Transformer's two biases, rotary
+METHODS = {name: (name, ["--attn-window", "9"] if name == "window" else []) for name in sorted(KERNELS)}
+METHODS.update({"fox": ("fox", []), "fox_bias_only": ("fox_bias_only", []), "rotary": ("none", ["--rotary-embeddings"])})
+FAST = ["alibi", "kerple_log", "kerple_bias_wht", "fox"]
+
+VARIANTS = {
+    "dense": dict(flags=["--attention-block-size", "0"], length=40),
+    "blocks": dict(flags=["--attention-block-size", "16"], length=50),
+    "window": dict(flags=["--attention-block-size", "16", "--attn-window", "11"], length=50),
+    "padding": dict(flags=["--attention-block-size", "0"], length=40),
+}
+
+
+def model_of(name, *flags):
+    kernel, method_flags = METHODS[name]
+    torch.manual_seed(0)
+    return moved(tiny_model(kernel, *method_flags, *flags)).to(DEVICE)
+
+
+def loss_and_grads(model, tokens, backend, real):
+    """The log-probabilities of ``tokens``' real positions, and every parameter's gradient of a fixed
+    random weighting of them."""
+    model.decoder.setup.backend = backend
+    model.zero_grad()
+    with recorded(model) as record:
+        log_probs = torch.log_softmax(model(tokens)[0].double(), dim=-1)[real]
+    weights = torch.randn(log_probs.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    (log_probs * weights.to(log_probs.device)).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return log_probs.detach(), grads, record
+
+
+def check_model(name, variant):
+    spec = VARIANTS[variant]
+    window = ("--attn-window" in spec["flags"])
+    if window and name == "window":
+        return
+    model = model_of(name, *spec["flags"]).train()
+    tokens = random_tokens(batch=3, length=spec["length"], seed=1).to(DEVICE)
+    real = torch.ones_like(tokens, dtype=torch.bool)
+    if variant == "padding":
+        for row, length in enumerate([40, 29, 17]):  # right-padded, as fairseq batches sentences
+            tokens[row, length:] = model.decoder.padding_idx
+        real = tokens.ne(model.decoder.padding_idx)
+    got, got_grads, record = loss_and_grads(model, tokens, "fused", real)
+    assert record.backends["fused"] > 0 and set(record.backends) == {"fused"}, record.backends
+    expected, expected_grads, _ = loss_and_grads(model, tokens, "explicit", real)
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
+    assert got_grads.keys() == expected_grads.keys()
+    for n in expected_grads:
+        scale = expected_grads[n].abs().max().item() + 1e-6
+        torch.testing.assert_close(got_grads[n], expected_grads[n], rtol=0, atol=2e-5 * max(1.0, scale), msg=n)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", FAST)
+def test_fused_equals_the_explicit_path_with_gradients(name, variant):
+    check_model(name, variant)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", [m for m in METHODS if m not in FAST])
+def test_fused_equals_the_explicit_path_with_gradients_for_every_method(name, variant):
+    check_model(name, variant)
+
+
+@pytest.mark.parametrize("name", ["kerple_log", "fox"])
+def test_decoding_with_the_fused_kernel_equals_full_scoring(name):
+    model = model_of(name).eval()
+    tokens = random_tokens(batch=2, length=12, seed=2).to(DEVICE)
+    model.decoder.setup.backend = "fused"
+    with torch.no_grad():
+        full = torch.log_softmax(model(tokens)[0].double(), dim=-1)
+        state, steps = {}, []
+        for end in range(1, tokens.size(1) + 1):
+            steps.append(torch.log_softmax(model(tokens[:, :end], incremental_state=state)[0].double(), dim=-1))
+        model.decoder.setup.backend = "explicit"
+        reference = torch.log_softmax(model(tokens)[0].double(), dim=-1)
+    torch.testing.assert_close(torch.cat(steps, dim=1), reference, rtol=0, atol=2e-5)
+    torch.testing.assert_close(full, reference, rtol=0, atol=2e-5)
+
+
+# ---------------------------------------------------------------- one block, against float64
+
+
+def block_inputs(batch, heads, queries, keys, head_dim, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(batch, heads, queries, head_dim, generator=g) * head_dim ** -0.5).to(DEVICE, dtype)
+    k = torch.randn(batch, heads, keys, head_dim, generator=g).to(DEVICE, dtype)
+    v = torch.randn(batch, heads, keys, head_dim, generator=g).to(DEVICE, dtype)
+    return [x.requires_grad_() for x in (q, k, v)]
+
+
+def reference(q, k, v, bias_values, offset, window, padding=None, keep=None, dropout=0.0):
+    """float64 ``softmax(q k^T + B(d))`` (dropped out by ``keep``) ``v`` from the per-distance values, by
+    plain indexing."""
+    q, k, v, bias_values = (x.double() for x in (q, k, v, bias_values))
+    t = torch.arange(q.size(2), device=q.device)[:, None]
+    s = torch.arange(k.size(2), device=q.device)[None, :]
+    d = offset + t - s
+    seen = (d >= 0) & ((d < window) if window else True)
+    logits = q @ k.transpose(-1, -2) + bias_values[:, d.clamp(0, bias_values.size(1) - 1)]
+    logits = logits.masked_fill(~seen, float("-inf"))
+    if padding is not None:
+        logits = logits.masked_fill(padding[:, None, None, :], float("-inf"))
+    nothing = torch.isneginf(logits).all(-1, keepdim=True)
+    probabilities = torch.softmax(logits.masked_fill(nothing, 0.0), -1).masked_fill(nothing, 0.0)
+    if keep is not None:
+        probabilities = probabilities * keep.view_as(probabilities) / (1 - dropout)
+    return probabilities @ v
+
+
+def kernel_bias(name, heads, window=0):
+    torch.manual_seed(0)
+    kernel = moved(build_kernel(name, heads, head_dim=16)).to(DEVICE)
+    return kernel, DistanceBias(kernel, Visibility(window=window))
+
+
+def gradients(out, inputs, seed=5):
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(out.device)
+    return torch.autograd.grad((out.double() * g).sum(), inputs, allow_unused=True)
+
+
+TOLERANCES = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCES), ids=str)
+@pytest.mark.parametrize("queries, keys, offset, window, head_dim", [
+    (40, 40, 0, 0, 16),      # dense
+    (1, 33, 32, 0, 32),      # a decoding step
+    (24, 70, 46, 0, 24),     # the last queries of a long sequence, a head width that is no power of 2
+    (50, 61, 11, 13, 64),    # a block under a window: the first key tiles skipped
+    (70, 70, 0, 0, 128),
+])
+def test_one_block_against_float64(dtype, queries, keys, offset, window, head_dim):
+    kernel, source = kernel_bias("kerple_log", 2, window)
+    q, k, v = block_inputs(2, 2, queries, keys, head_dim, dtype)
+    block = QueryBlock(0, queries, 0, keys, offset)
+    bias = source.for_block(block, offset + queries, shared=False)
+    assert choose_backend(q, k, bias, preference="fused", dropout=0.0, key_padding_mask=None,
+                          need_probabilities=False) == "fused"
+    out = fused.attend(q, k, v, bias)
+    assert out.dtype == dtype and out.shape == q.shape
+    values = source.per_distance(offset + queries, DEVICE)
+    expected = reference(q, k, v, values, offset, window)
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=tolerance)
+    parameters = list(kernel.parameters())
+    got = gradients(out, [q, k, v, *parameters])
+    want = gradients(expected, [q, k, v, *parameters])
+    for name, a, b in zip(["q", "k", "v", "r1", "r2"], got, want):
+        scale = max(1.0, b.abs().max().item())
+        torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=tolerance * scale * 4, msg=name)
+
+
+def test_padded_keys_and_rows_that_see_nothing():
+    """A query whose window holds only padding attends to nothing: zeros, and no NaN in any gradient."""
+    kernel, source = kernel_bias("alibi", 2, window=4)
+    q, k, v = block_inputs(2, 2, 20, 20, 16, torch.float32)
+    padding = torch.zeros(2, 20, dtype=torch.bool, device=DEVICE)
+    padding[0, 14:] = True
+    padding[1, 3:9] = True  # query 8's window (keys 5..8) is all padding
+    bias = source.for_block(QueryBlock(0, 20, 0, 20, 0), 20, shared=False)
+    out = fused.attend(q, k, v, bias, key_padding_mask=padding)
+    expected = reference(q, k, v, source.per_distance(20, DEVICE), 0, 4, padding=padding)
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-5)
+    assert out[1, :, 8].abs().max() == 0
+    for a, b in zip(gradients(out, [q, k, v]), gradients(expected, [q, k, v])):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=5e-5)
+
+
+def seed_of_next_call(seed):
+    """The stream's seed :func:`fused.attend` draws after ``torch.manual_seed(seed)``."""
+    torch.manual_seed(seed)
+    return int(torch.randint(0, 2 ** 30, (1,)).item())
+
+
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_bias_wht"])
+def test_dropout_is_the_kernels_stream_regenerated_in_the_backward(name):
+    kernel, source = kernel_bias(name, 2)
+    q, k, v = block_inputs(2, 2, 48, 48, 16, torch.float32)
+    bias = source.for_block(QueryBlock(0, 48, 0, 48, 0), 48, shared=False)
+    p = 0.3
+    stream = seed_of_next_call(7)
+    torch.manual_seed(7)
+    out = fused.attend(q, k, v, bias, dropout=p)
+    keep = fused.keep_mask(4, 48, 48, p, stream, DEVICE)
+    # the explicit path's logits with the same cells dropped
+    logits = biased_scores(q, k, source.for_block(QueryBlock(0, 48, 0, 48, 0), 48, shared=False))
+    probabilities = torch.softmax(logits, -1)
+    expected = (probabilities * keep.view_as(probabilities) / (1 - p)) @ v
+    torch.testing.assert_close(out, expected, rtol=0, atol=2e-5)
+    parameters = list(kernel.parameters())
+    for a, b in zip(gradients(out, [q, k, v, *parameters]), gradients(expected, [q, k, v, *parameters])):
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-5 * max(1.0, b.abs().max().item()))
+    torch.manual_seed(7)
+    again = fused.attend(q, k, v, bias, dropout=p)
+    assert torch.equal(again, out), "the same seed gives the same cells"
+    assert not torch.equal(fused.attend(q, k, v, bias, dropout=p), out), "a new call draws a new seed"
+
+
+def test_dropout_keeps_its_rate_and_zero_dropout_is_no_dropout():
+    keep = fused.keep_mask(8, 128, 128, 0.1, 1234, DEVICE)
+    rate = keep.double().mean().item()
+    cells = keep.numel()
+    assert abs(rate - 0.9) < 5 * (0.9 * 0.1 / cells) ** 0.5, rate
+    kernel, source = kernel_bias("alibi", 2)
+    q, k, v = block_inputs(1, 2, 30, 30, 16, torch.float32)
+    bias = source.for_block(QueryBlock(0, 30, 0, 30, 0), 30, shared=False)
+    torch.testing.assert_close(fused.attend(q, k, v, bias, dropout=0.0), fused.attend(q, k, v, bias), rtol=0, atol=0)
+
+
+def test_which_blocks_the_kernel_serves():
+    """Distance kernels under a window of distances and the Forgetting Transformer: served; a chunk (a rule of
+    positions), FIRE's term, float64 and heads wider than 128: another backend."""
+    _, source = kernel_bias("alibi", 2)
+    q = torch.zeros(1, 2, 8, 16, device=DEVICE)
+    bias = source.for_block(QueryBlock(0, 8, 0, 8, 0), 8, shared=False)
+    assert fused.serves(q, bias)
+    assert not fused.serves(q.double(), bias)
+    assert not fused.serves(torch.zeros(1, 2, 8, 160, device=DEVICE), bias)
+    from kerple_core.visibility.chunked import ChunkedAttention
+    chunked = DistanceBias(source.kernel, Visibility(rules=(ChunkedAttention(4),)))
+    assert not fused.serves(q, chunked.for_block(QueryBlock(0, 8, 0, 8, 0), 8, shared=False))
+    fire = tiny_model("fire", "--fire-threshold", "4").to(DEVICE)
+    fox = tiny_model("fox").to(DEVICE)
+    tokens = random_tokens(batch=1, length=8).to(DEVICE)
+    for model, served in ((fire, False), (fox, True)):
+        model.decoder.setup.backend = "fused"
+        with torch.no_grad(), recorded(model) as record:
+            model(tokens)
+        assert ("fused" in record.backends) == served, record.backends
+    if DEVICE == "cpu":  # on CPU only when asked for
+        assert choose_backend(q, k=q, bias=bias, preference="auto", dropout=0.1, key_padding_mask=None,
+                              need_probabilities=False) != "fused"
+    else:
+        assert choose_backend(q, k=q, bias=bias, preference="auto", dropout=0.1, key_padding_mask=None,
+                              need_probabilities=False) == "fused"
+
+
+def test_which_backend_each_case_gets_on_cuda():
+    """On a (fake) CUDA device ``auto`` takes the fused kernel wherever it serves, in training with any dropout
+    and in evaluation; FlexAttention where it does not (a chunk without gradients), the rest as before."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kerple_core.attention.layer_bias import LayerBlockBias
+    from kerple_core.visibility.chunked import ChunkedAttention
+
+    model = tiny_model("kerple_log")
+    bias = model.decoder.setup.bias.for_block(QueryBlock(0, 100, 0, 100, 0), 100, shared=False)
+    with FakeTensorMode():
+        cuda = torch.empty(1, 4, 100, 16, device=torch.device("cuda", 0))
+
+    def backend(q, bias=bias, dropout=0.0, **options):
+        settings = dict(dropout=dropout, key_padding_mask=None, need_probabilities=False)
+        return choose_backend(q, q, bias, **{**settings, **options})
+
+    assert backend(cuda) == "fused"
+    assert backend(cuda, dropout=0.1) == "fused", "dropout inside the kernel"
+    with torch.no_grad():
+        assert backend(cuda) == "fused"
+    fox = LayerBlockBias(bias, tiny_model("fox").decoder.layers[0].self_attn.layer_bias, 0, None)
+    assert backend(cuda, bias=fox) == "fused", "FoX's gates, with their gradient"
+    fire = LayerBlockBias(bias, tiny_model("fire", "--fire-threshold", "4").decoder.layers[0].self_attn.layer_bias,
+                          0, None)
+    assert backend(cuda, bias=fire) == "sdpa", "FIRE's term: not the fused kernel's, no FlexAttention backward"
+    chunked = DistanceBias(model.decoder.setup.bias.kernel, Visibility(rules=(ChunkedAttention(8),)))
+    chunk_bias = chunked.for_block(QueryBlock(0, 100, 0, 100, 0), 100, shared=False)
+    assert backend(cuda, bias=chunk_bias) == "flex", "a chunk: FlexAttention skips other chunks' tiles"
+    assert backend(cuda, bias=chunk_bias, dropout=0.1) == "sdpa"
+    assert backend(cuda, preference="sdpa") == "sdpa" and backend(cuda, preference="explicit") == "explicit"
+    assert backend(cuda, needs_scores=True) == "explicit"
