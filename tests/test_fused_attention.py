@@ -10,7 +10,7 @@ import torch
 
 from helpers import moved, random_tokens, tiny_model
 from kerple_core.attention import fused
-from kerple_core.attention.attend import biased_scores, choose_backend
+from kerple_core.attention.attend import AttentionRecord, biased_scores, choose_backend
 from kerple_core.attention.blocks import QueryBlock
 from kerple_core.attention.distance_bias import DistanceBias
 from kerple_core.attention.self_attention import recorded
@@ -296,3 +296,42 @@ def test_which_backend_each_case_gets_on_cuda():
     assert backend(cuda, bias=chunk_bias, dropout=0.1) == "sdpa"
     assert backend(cuda, preference="sdpa") == "sdpa" and backend(cuda, preference="explicit") == "explicit"
     assert backend(cuda, needs_scores=True) == "explicit"
+
+
+def test_a_kernel_that_fails_to_build_is_set_aside_by_auto_and_raised_when_asked_for(monkeypatch):
+    import logging
+
+    from triton.compiler.errors import CompilationError
+
+    from kerple_core.attention import attend as attend_module
+
+    class Broken:
+        def __getattr__(self, name):
+            raise CompilationError("kernel.py", None, "no such instruction on this GPU")
+
+    monkeypatch.setattr(fused, "kernels", lambda: Broken())
+    monkeypatch.setattr(fused, "set_aside_because", [])
+    _, source = kernel_bias("alibi", 2)
+    q, k, v = block_inputs(1, 2, 20, 20, 16, torch.float32)
+    bias = source.for_block(QueryBlock(0, 20, 0, 20, 0), 20, shared=False)
+    with pytest.raises(CompilationError):
+        attend_module.attend(q, k, v, bias, preference="fused")
+    assert not fused.set_aside_because
+    chosen = attend_module.choose_backend
+    monkeypatch.setattr(attend_module, "choose_backend",  # auto on CUDA picks it where it serves
+                        lambda *a, **o: "fused" if fused.serves(a[0], a[2]) else chosen(*a, **o))
+    record = AttentionRecord()
+    warned = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda r: warned.append(r.getMessage())
+    fused.logger.addHandler(handler)
+    try:
+        out, _ = attend_module.attend(q, k, v, bias, record=record)
+        attend_module.attend(q, k, v, bias)
+    finally:
+        fused.logger.removeHandler(handler)
+    expected, _ = attend_module.attend(q, k, v, bias, preference="explicit")
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+    assert fused.set_aside_because and not fused.serves(q, bias)
+    assert record.backends["fused"] == 0 and sum(record.backends.values()) == 1
+    assert len(warned) == 1 and "the fused attention kernel failed on this machine (CompilationError" in warned[0]

@@ -154,7 +154,17 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: BlockBias, *, preference: str 
     if record is not None:
         record.backends[backend] += 1
     if backend == "fused":
-        return fused.attend(q, k, v, bias, dropout=dropout, key_padding_mask=key_padding_mask), None
+        try:
+            return fused.attend(q, k, v, bias, dropout=dropout, key_padding_mask=key_padding_mask), None
+        except fused.kernel_errors() as error:
+            if preference == "fused":
+                raise
+            fused.set_aside(error)  # chosen by auto: the other backends serve from now on
+            if record is not None:
+                record.backends[backend] -= 1
+            return attend(q, k, v, bias, preference=preference, dropout=dropout, key_padding_mask=key_padding_mask,
+                          need_probabilities=need_probabilities, score_transform=score_transform, weights=weights,
+                          record=record)
     if backend == "flex":
         padding = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
         return flex.attend(q, k, v, bias.score_mod(q.dtype, q.device), bias.block_mask(q.device, padding)), None

@@ -19,6 +19,7 @@ precision, not TF32).
 
 import functools
 import importlib.util
+import logging
 import os
 from typing import NamedTuple, Optional
 
@@ -35,6 +36,10 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128
 #: queries and keys per tile
 BLOCK_M = BLOCK_N = 64
+
+logger = logging.getLogger(__name__)
+#: why the kernel was set aside in this process (it failed to build or launch), if it was
+set_aside_because = []
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,11 +95,27 @@ def fused_inputs(bias: BlockBias, device) -> FusedInputs:
 def serves(q: Tensor, bias: BlockBias) -> bool:
     """The kernel can attend the block: Triton installed, CUDA tensors (or CPU ones under the interpreter), a
     dtype it takes, heads of at most :data:`MAX_HEAD_DIM` dimensions, a bias it reads (:func:`distance_part`)."""
-    if not available() or q.dtype not in DTYPES or q.size(-1) > MAX_HEAD_DIM:
+    if set_aside_because or not available() or q.dtype not in DTYPES or q.size(-1) > MAX_HEAD_DIM:
         return False
     if not (q.device.type == "cuda" or (q.device.type == "cpu" and interpreted())):
         return False
     return distance_part(bias) is not None
+
+
+def kernel_errors() -> tuple:
+    """Triton's errors of building or launching a kernel on this machine."""
+    import triton
+    from triton.compiler.errors import CompilationError
+    return tuple({CompilationError, getattr(triton, "TritonError", CompilationError)})
+
+
+def set_aside(error: Exception) -> None:
+    """Serve no more blocks in this process: the kernel failed to build or launch here (said once)."""
+    if not set_aside_because:
+        logger.warning(f"the fused attention kernel failed on this machine ({type(error).__name__}: "
+                       f"{str(error).splitlines()[0] if str(error) else ''}); the other backends serve instead "
+                       "(--attention-backend fused shows the whole error)")
+        set_aside_because.append(error)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: BlockBias, *, dropout: float = 0.0,
@@ -190,7 +211,7 @@ class _FusedAttention(torch.autograd.Function):
             q, k, v, grad_out, lse, delta, grad_k, grad_v, grad_key_gates, *common, **flags, **tiles)
         kernels().backward_queries_kernel[(triton_cdiv(num_queries, BLOCK_M), batch * heads)](
             q, k, v, grad_out, lse, delta, grad_q, grad_query_gates, grad_values, grad_weight, *common, **flags,
-            BIAS_GRAD=bias_grad, **tiles)
+            BIAS_GRAD=bias_grad, DIAGONALS=_next_power_of_2(BLOCK_M + BLOCK_N - 1), **tiles)
         grad_gates = None
         if has_gates:
             grad_gates = grad_key_gates

@@ -3,7 +3,9 @@
 FlashAttention-2's tiling (Dao, "FlashAttention-2", 2023, §3): one program per tile of ``BLOCK_M`` queries
 of one head runs over the key tiles its queries see with an online softmax; the backward recomputes the
 probabilities from the saved log-sum-exp, one program per key tile for ``dK``, ``dV`` and the gates'
-column sums, one per query tile for ``dQ``, the gates' row sums and the per-distance gradients.
+column sums, one per query tile for ``dQ``, the gates' row sums and the per-distance gradients (each tile's logit
+gradients sheared so that its diagonals become columns, summed, and added with one atomic add per
+distance).
 
 The logit of query ``t`` and key ``s`` (``d = offset + t - s`` positions apart) is
 
@@ -205,6 +207,12 @@ def backward_keys_kernel(Q, K, V, DO, LSE, Delta, DK, DV, DGateKeys, Bias, Weigh
 
 
 @triton.jit
+def _diagonal_sums(x, column, on_tile):
+    """``[DIAGONALS]``: the sums of ``x`` ``[BLOCK_M, BLOCK_N]`` along its diagonals, sheared into columns."""
+    return tl.sum(tl.where(on_tile, tl.gather(x, column, 1), 0.0), 0)
+
+
+@triton.jit
 def backward_queries_kernel(Q, K, V, DO, LSE, Delta, DQ, DGateQueries, DBias, DWeight, Bias, Weight, Gates,
                             Padding, seed, p,
                             sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sdb, sdh, sdt,
@@ -212,7 +220,7 @@ def backward_queries_kernel(Q, K, V, DO, LSE, Delta, DQ, DGateQueries, DBias, DW
                             HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
                             HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BIAS_GRAD: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                            D: tl.constexpr):
+                            D: tl.constexpr, DIAGONALS: tl.constexpr):
     m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -228,6 +236,11 @@ def backward_queries_kernel(Q, K, V, DO, LSE, Delta, DQ, DGateQueries, DBias, DW
     gates = Gates + bh * S
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     grad_query_gates = tl.zeros([BLOCK_M], tl.float32)
+    # cell (i, column[i, c]) of a tile lies on its diagonal c (i - j = c - (BLOCK_N - 1))
+    diagonal = tl.arange(0, DIAGONALS)
+    column = tl.arange(0, BLOCK_M)[:, None] - diagonal[None, :] + BLOCK_N - 1
+    on_tile = (column >= 0) & (column < BLOCK_N)
+    column = tl.where(on_tile, column, 0)
     lo, hi = _key_range(m * BLOCK_M, tl.minimum(m * BLOCK_M + BLOCK_M, T) - 1, offset, window, S, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         s = start + tl.arange(0, BLOCK_N)
@@ -238,13 +251,17 @@ def backward_queries_kernel(Q, K, V, DO, LSE, Delta, DQ, DGateQueries, DBias, DW
             q, k, v, do, lse, delta, Bias, Weight, gates, Padding, seed, p, b, h, bh, t, s, T, S, N, offset, window,
             HAS_WEIGHT, HAS_GATES, HAS_PADDING, HAS_DROPOUT, IEEE, UPCAST)
         grad_scores = grad_logits
-        index = h * N + tl.where(seen, d, 0)
         if HAS_WEIGHT:
-            grad_scores = grad_logits * tl.load(Weight + index, mask=seen, other=0.0)
-            if BIAS_GRAD:
-                tl.atomic_add(DWeight + index, grad_logits * scores, mask=seen)
+            grad_scores = grad_logits * tl.load(Weight + h * N + tl.where(seen, d, 0), mask=seen, other=0.0)
         if BIAS_GRAD:
-            tl.atomic_add(DBias + index, grad_logits, mask=seen)
+            # the tile's diagonals summed, one atomic add per distance: d = offset + t0 - s0 + c - (BLOCK_N - 1)
+            distances = offset + m * BLOCK_M - start + diagonal - (BLOCK_N - 1)
+            adds = (diagonal < BLOCK_M + BLOCK_N - 1) & (distances >= 0) & (distances < N)
+            tl.atomic_add(DBias + h * N + distances, _diagonal_sums(tl.where(seen, grad_logits, 0.0), column, on_tile),
+                          mask=adds)
+            if HAS_WEIGHT:
+                tl.atomic_add(DWeight + h * N + distances,
+                              _diagonal_sums(tl.where(seen, grad_logits * scores, 0.0), column, on_tile), mask=adds)
         grad_q += _dot(grad_scores.to(k.dtype), k, IEEE, UPCAST)
         if HAS_GATES:
             grad_query_gates += tl.sum(grad_logits, 1)
