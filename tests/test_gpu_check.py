@@ -209,6 +209,7 @@ def test_a_cuda_tier_longer_than_its_time_ends_itself_with_its_report(tmp_path, 
     (tmp_path / "tests" / "test_cuda.py").write_text(
         "import time\n\nimport pytest\n\n\n@pytest.mark.cuda\n@pytest.mark.parametrize('i', range(1200))\n"
         "def test_slow(i):\n    time.sleep(1)\n")
+    (tmp_path / "tests" / "test_fused_attention.py").write_text("")  # the tier's other file
     # 12 workers on a loaded 2-core machine start seconds apart, each counting its own session time
     monkeypatch.setattr(gpu_check, "SESSION_MARGIN", 30)
     paths = gpu_check.Paths(repo=tmp_path, bundle=tmp_path, results=tmp_path, work=tmp_path)
