@@ -335,3 +335,28 @@ def test_a_kernel_that_fails_to_build_is_set_aside_by_auto_and_raised_when_asked
     assert fused.set_aside_because and not fused.serves(q, bias)
     assert record.backends["fused"] == 0 and sum(record.backends.values()) == 1
     assert len(warned) == 1 and "the fused attention kernel failed on this machine (CompilationError" in warned[0]
+
+
+@pytest.mark.parametrize("name", ["kerple_log", "fox"])
+def test_an_evaluation_forward_reads_no_value_back_to_the_host(name, monkeypatch):
+    """``Tensor.item`` and ``Tensor.tolist`` raise inside evaluation forwards through the fused kernel (the
+    first builds the per-distance values, the second takes them from the frozen cache): on a GPU either
+    would wait for the device."""
+    model = model_of(name).eval()
+    model.decoder.setup.backend = "fused"
+    tokens = random_tokens(batch=2, length=20).to(DEVICE)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor's value read on the host during an evaluation forward")
+
+    with torch.no_grad():
+        expected = model(tokens)[0]
+        model.eval()  # drops what the first forward kept
+        monkeypatch.setattr(torch.Tensor, "item", refuse)
+        monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+        with recorded(model) as record:
+            outputs = [model(tokens)[0] for _ in range(2)]
+        monkeypatch.undo()
+    assert set(record.backends) == {"fused"}
+    for out in outputs:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
