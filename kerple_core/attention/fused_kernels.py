@@ -62,6 +62,14 @@ def _logits(q, k, bias_ptr, weight_ptr, gates_ptr, padding_ptr, b, h, t, s, T, S
 
 
 @triton.jit
+def _rows(X, b, h, stride_b, stride_h, stride_row, rows, num_rows, j, D):
+    """The ``[len(rows), BLOCK_D]`` rows ``rows`` of head ``h`` of batch element ``b`` of ``X`` (``[B, H, R, D]``,
+    its last dimension contiguous), 0 past ``num_rows`` rows and ``D`` dimensions."""
+    return tl.load(X + b * stride_b + h * stride_h + rows[:, None] * stride_row + j[None, :],
+                   mask=(rows[:, None] < num_rows) & (j[None, :] < D), other=0.0)
+
+
+@triton.jit
 def _kept(seed, bh, t, s, S, p):
     """Dropout's keep mask of cells ``(t, s)`` of head ``bh`` (batch * heads + head)."""
     return tl.rand(seed + bh, t[:, None] * S + s[None, :]) >= p
@@ -105,8 +113,7 @@ def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, p,
     t = m * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tl.arange(0, BLOCK_D)
     dims = j < D
-    q = tl.load(Q + b * sqb + h * sqh + t[:, None] * sqt + j[None, :], mask=(t[:, None] < T) & dims[None, :],
-                other=0.0)
+    q = _rows(Q, b, h, sqb, sqh, sqt, t, T, j, D)
     gates = Gates + bh * S
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -114,9 +121,8 @@ def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, p,
     lo, hi = _key_range(m * BLOCK_M, tl.minimum(m * BLOCK_M + BLOCK_M, T) - 1, offset, window, S, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         s = start + tl.arange(0, BLOCK_N)
-        key_mask = (s[:, None] < S) & dims[None, :]
-        k = tl.load(K + b * skb + h * skh + s[:, None] * sks + j[None, :], mask=key_mask, other=0.0)
-        v = tl.load(V + b * svb + h * svh + s[:, None] * svs + j[None, :], mask=key_mask, other=0.0)
+        k = _rows(K, b, h, skb, skh, sks, s, S, j, D)
+        v = _rows(V, b, h, svb, svh, svs, s, S, j, D)
         logits, _, _, _ = _logits(q, k, Bias, Weight, gates, Padding, b, h, t, s, T, S, N, offset, window,
                                   HAS_WEIGHT, HAS_GATES, HAS_PADDING, IEEE, UPCAST)
         new_max = tl.maximum(row_max, tl.max(logits, 1))
@@ -171,8 +177,8 @@ def backward_keys_kernel(Q, K, V, DO, LSE, Delta, DK, DV, DGateKeys, Bias, Weigh
     j = tl.arange(0, BLOCK_D)
     dims = j < D
     key_mask = (s[:, None] < S) & dims[None, :]
-    k = tl.load(K + b * skb + h * skh + s[:, None] * sks + j[None, :], mask=key_mask, other=0.0)
-    v = tl.load(V + b * svb + h * svh + s[:, None] * svs + j[None, :], mask=key_mask, other=0.0)
+    k = _rows(K, b, h, skb, skh, sks, s, S, j, D)
+    v = _rows(V, b, h, svb, svh, svs, s, S, j, D)
     gates = Gates + bh * S
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -185,9 +191,8 @@ def backward_keys_kernel(Q, K, V, DO, LSE, Delta, DK, DV, DGateKeys, Bias, Weigh
         last = tl.minimum(T, n * BLOCK_N + BLOCK_N - 1 + window - offset)
     for start in range((first // BLOCK_M) * BLOCK_M, last, BLOCK_M):
         t = start + tl.arange(0, BLOCK_M)
-        rows = (t[:, None] < T) & dims[None, :]
-        q = tl.load(Q + b * sqb + h * sqh + t[:, None] * sqt + j[None, :], mask=rows, other=0.0)
-        do = tl.load(DO + b * sdb + h * sdh + t[:, None] * sdt + j[None, :], mask=rows, other=0.0)
+        q = _rows(Q, b, h, sqb, sqh, sqt, t, T, j, D)
+        do = _rows(DO, b, h, sdb, sdh, sdt, t, T, j, D)
         lse = tl.load(LSE + bh * T + t, mask=t < T, other=float("inf"))
         delta = tl.load(Delta + bh * T + t, mask=t < T, other=0.0)
         attended, grad_logits, scores, seen, d = _probabilities_and_grad(
@@ -229,8 +234,8 @@ def backward_queries_kernel(Q, K, V, DO, LSE, Delta, DQ, DGateQueries, DBias, DW
     j = tl.arange(0, BLOCK_D)
     dims = j < D
     rows = (t[:, None] < T) & dims[None, :]
-    q = tl.load(Q + b * sqb + h * sqh + t[:, None] * sqt + j[None, :], mask=rows, other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + t[:, None] * sdt + j[None, :], mask=rows, other=0.0)
+    q = _rows(Q, b, h, sqb, sqh, sqt, t, T, j, D)
+    do = _rows(DO, b, h, sdb, sdh, sdt, t, T, j, D)
     lse = tl.load(LSE + bh * T + t, mask=t < T, other=float("inf"))
     delta = tl.load(Delta + bh * T + t, mask=t < T, other=0.0)
     gates = Gates + bh * S
@@ -244,9 +249,8 @@ def backward_queries_kernel(Q, K, V, DO, LSE, Delta, DQ, DGateQueries, DBias, DW
     lo, hi = _key_range(m * BLOCK_M, tl.minimum(m * BLOCK_M + BLOCK_M, T) - 1, offset, window, S, BLOCK_N)
     for start in range(lo, hi, BLOCK_N):
         s = start + tl.arange(0, BLOCK_N)
-        key_mask = (s[:, None] < S) & dims[None, :]
-        k = tl.load(K + b * skb + h * skh + s[:, None] * sks + j[None, :], mask=key_mask, other=0.0)
-        v = tl.load(V + b * svb + h * svh + s[:, None] * svs + j[None, :], mask=key_mask, other=0.0)
+        k = _rows(K, b, h, skb, skh, sks, s, S, j, D)
+        v = _rows(V, b, h, svb, svh, svs, s, S, j, D)
         attended, grad_logits, scores, seen, d = _probabilities_and_grad(
             q, k, v, do, lse, delta, Bias, Weight, gates, Padding, seed, p, b, h, bh, t, s, T, S, N, offset, window,
             HAS_WEIGHT, HAS_GATES, HAS_PADDING, HAS_DROPOUT, IEEE, UPCAST)
