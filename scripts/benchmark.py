@@ -15,7 +15,8 @@ FlexAttention compiles and the time spent in the calls that compiled.
 Peak memory of one evaluation forward at each ``--memory-lengths``: on the CPU in a fresh child
 process per model (peak RSS above the RSS before the forward, the peak reset just before it); on
 CUDA in this process, after one untimed forward (max allocated above the allocation before it,
-and that forward's tokens/s).
+and that forward's tokens/s). On CUDA each timed row also gives the peak memory of the model's first,
+untimed step at its length, and its ratio to the baseline's.
 
     python scripts/benchmark.py            # the full tables (about 15 minutes on 2 CPU cores)
     python scripts/benchmark.py --quick    # a smaller table (under 2 minutes)

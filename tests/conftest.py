@@ -45,6 +45,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; scripts/gpu-check.sh runs this tier (-m cuda)")
     config.addinivalue_line("markers", "fused: the fused Triton backend's tests, on CUDA where a GPU is (in "
                             "scripts/gpu-check.sh's tier too), else under Triton's interpreter")
+    config.addinivalue_line("markers", "cross_compile: compiles GPU kernels on a machine without a GPU; "
+                            "scripts/gpu-check.sh's tier leaves these out")
     config.addinivalue_line("markers", "xdist_group(name): tests pytest-xdist's --dist loadgroup runs in one worker")
     if WORKER:
         _share_the_cpus(config)

@@ -1,5 +1,6 @@
 """Bad input on the command line: one clear line and a non-zero exit; --user-dir resolution."""
 
+import os
 import sys
 
 import pytest
@@ -45,6 +46,13 @@ def test_bias_kernel_with_token_positions_left_on(data_bin, tmp_path):
     proc = run(train_command(data_bin, tmp_path, "--arch", "transformer_lm_alibi", "--token-positional-embeddings"),
                check=False)
     assert_one_line_error(proc, "kerple_fairseq: error: --bias-kernel alibi already encodes position", tmp_path)
+
+
+def test_the_fused_backend_asked_for_where_it_cannot_run(data_bin, tmp_path):
+    proc = run(train_command(data_bin, tmp_path, "--arch", "transformer_lm_kerple", "--attention-backend", "fused"),
+               check=False, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert_one_line_error(proc, "kerple_fairseq: error: --attention-backend fused runs on CUDA GPUs with Triton, and "
+                          "the model is on CPU: choose --attention-backend auto", tmp_path)
 
 
 def test_none_kernel_with_token_positions_is_the_absolute_position_baseline(data_bin, tmp_path):

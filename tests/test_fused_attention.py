@@ -2,12 +2,19 @@
 gradient (queries, keys, values, the kernels' and gates' parameters) for every distance kernel, the
 Forgetting Transformer and rotary; dense, in blocks, under a window, with padded keys, decoding one token at a
 time; dropout regenerated from the kernel's own stream; float32, float16 and bfloat16 inputs; head widths
-16 to 128. Without a GPU the kernels run on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``,
-set by conftest.py before Triton is imported); with one, on CUDA."""
+16 to 128; the launch settings each GPU's shared memory holds, every kernel compiled for sm_80, sm_86 and
+sm_90 GPUs on the CPU. Without a GPU the kernels run on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1``, set by conftest.py before Triton is imported); with one, on CUDA."""
+
+import json
+import os
+import sys
+import types
 
 import pytest
 import torch
 
+from conftest import REPO, run
 from helpers import moved, random_tokens, tiny_model
 from kerple_core.attention import fused
 from kerple_core.attention.attend import AttentionRecord, biased_scores, choose_backend
@@ -87,6 +94,16 @@ def test_fused_equals_the_explicit_path_with_gradients(name, variant):
 @pytest.mark.parametrize("name", [m for m in METHODS if m not in FAST])
 def test_fused_equals_the_explicit_path_with_gradients_for_every_method(name, variant):
     check_model(name, variant)
+
+
+@pytest.mark.parametrize("name", ["kerple_bias_wht", "fox"])
+def test_the_smallest_tiles_attend_as_the_explicit_path(name, monkeypatch):
+    """The launch settings a GPU with little shared memory takes (32 x 32 tiles, one stage), in blocks under a
+    window: a weight kernel, and gates."""
+    monkeypatch.setattr(fused, "TILES", fused.TILES[-1:])
+    monkeypatch.setattr(fused, "_fitting", {})
+    assert fused.TILES[0].block == 32
+    check_model(name, "window")
 
 
 @pytest.mark.parametrize("name", ["kerple_log", "fox"])
@@ -335,6 +352,80 @@ def test_a_kernel_that_fails_to_build_is_set_aside_by_auto_and_raised_when_asked
     assert fused.set_aside_because and not fused.serves(q, bias)
     assert record.backends["fused"] == 0 and sum(record.backends.values()) == 1
     assert len(warned) == 1 and "the fused attention kernel failed on this machine (CompilationError" in warned[0]
+
+
+def test_asked_for_where_it_cannot_run_it_is_refused_with_what_to_do(monkeypatch):
+    from kerple_core.errors import KernelConfigError
+    _, source = kernel_bias("alibi", 2)
+    q, k, _ = block_inputs(1, 2, 20, 20, 16, torch.float32)
+    bias = source.for_block(QueryBlock(0, 20, 0, 20, 0), 20, shared=False)
+    choose = dict(dropout=0.0, key_padding_mask=None, need_probabilities=False)
+    monkeypatch.setattr(fused, "interpreted", lambda: False)
+    with pytest.raises(KernelConfigError, match=r"--attention-backend fused runs on CUDA GPUs with Triton, and the "
+                       r"model is on CPU: choose --attention-backend auto.*attention_backend': 'auto'"):
+        choose_backend(q.cpu(), k.cpu(), bias, preference="fused", **choose)
+    assert choose_backend(q.cpu(), k.cpu(), bias, preference="auto", **choose) != "fused"
+    monkeypatch.setattr(fused, "available", lambda: False)
+    with pytest.raises(KernelConfigError, match="and Triton is not installed"):
+        choose_backend(q.cpu(), k.cpu(), bias, preference="fused", **choose)
+
+
+def test_a_launch_takes_the_first_settings_its_gpu_holds_and_remembers_them(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    launched = []
+
+    class Kernel:  # a GPU of 64 KiB of shared memory a block: a tile of 64 at 1 stage, or of 32 at up to 2
+        def __getitem__(self, grid):
+            def run(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **constants):
+                launched.append((grid, BLOCK_M, num_stages))
+                if BLOCK_M * num_stages > 64:
+                    raise OutOfResources(BLOCK_M * num_stages * 1024, 64 * 1024, "shared memory")
+            return run
+
+    monkeypatch.setattr(fused, "kernels", lambda: types.SimpleNamespace(forward_kernel=Kernel()))
+    monkeypatch.setattr(fused, "_fitting", {})
+    cpu = torch.device("cpu")
+    fused.launch("forward_kernel", 100, 6, cpu, (), {"D": 16})
+    assert launched == [((2, 6), 64, 3), ((2, 6), 64, 2), ((2, 6), 64, 1)]
+    launched.clear()
+    fused.launch("forward_kernel", 100, 6, cpu, (), {"D": 16})
+    assert launched == [((2, 6), 64, 1)], "the settings that fit are remembered"
+    launched.clear()
+    fused.launch("forward_kernel", 100, 6, cpu, (), {"D": 32})
+    assert launched[0] == ((2, 6), 64, 3), "other constants are other kernels: from the first settings again"
+    monkeypatch.setattr(fused, "TILES", fused.TILES[:2])
+    with pytest.raises(OutOfResources):
+        fused.launch("forward_kernel", 100, 6, cpu, (), {"D": 64})
+
+
+#: compute capability and the shared memory a block may take (bytes): sm_90 (H100, H200), sm_80 (A100),
+#: sm_86 (RTX 30 series, A6000, A10; sm_89's L4, L40 and RTX 40 series hold the same)
+GPUS = {"sm_90": (90, 232448), "sm_80": (80, 166912), "sm_86": (86, 101376)}
+
+
+@pytest.mark.slow
+@pytest.mark.cross_compile
+@pytest.mark.parametrize("dtype, head_dim, gpu, plain, fits", [
+    ("float16", 128, "sm_90", False, 0),
+    ("float16", 128, "sm_80", False, 1),
+    ("float16", 128, "sm_86", False, 2),
+    ("bfloat16", 128, "sm_80", False, 1),
+    ("float16", 64, "sm_90", True, 0),
+    ("float32", 128, "sm_90", False, 1),
+    ("float32", 128, "sm_80", False, 2),
+    ("float32", 128, "sm_86", False, 3),
+])
+def test_the_kernels_compile_for_each_gpu_within_its_shared_memory(dtype, head_dim, gpu, plain, fits):
+    """Triton compiles every kernel the backend launches (every flag on, or off) down to the GPU's binary
+    without a GPU; the first launch settings whose shared memory the GPU holds are those :data:`fused.TILES`
+    says (a launch that needs more is refused by Triton before it runs, and the next settings taken)."""
+    arch, limit = GPUS[gpu]
+    proc = run([sys.executable, REPO / "tests" / "fused_compile.py", "--dtype", dtype, "--head-dim", head_dim,
+                "--arch", arch, "--limit", limit, *(["--plain"] if plain else [])],
+               env={**os.environ, "TRITON_INTERPRET": "0"})
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["fits"] == fits, result
 
 
 @pytest.mark.parametrize("name", ["kerple_log", "fox"])

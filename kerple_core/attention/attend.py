@@ -51,6 +51,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kerple_core.attention import flex, fused, kernel_gradient
 from kerple_core.attention.blocks import QueryBlock
+from kerple_core.errors import KernelConfigError
 from kerple_core.attention.block_bias import BlockBias
 from kerple_core.precision import precise
 
@@ -100,13 +101,16 @@ def choose_backend(q: Tensor, k: Tensor, bias: BlockBias, *, preference: str = "
                    key_padding_mask: Optional[Tensor], need_probabilities: bool, needs_scores: bool = False) -> str:
     """The backend for a block. Explicit wherever scores or probabilities are needed (weights
     requested, an attention method that ``needs_scores``) or asked for. Then the fused kernel where it
-    serves (:func:`~kerple_core.attention.fused.serves`), if asked for, and by default on CUDA (training,
+    serves (:func:`~kerple_core.attention.fused.serves`), if asked for (a device it cannot run on is refused:
+    :class:`KernelConfigError`), and by default on CUDA (training,
     with any dropout, and evaluation). Then FlexAttention where it serves
     (:func:`flex_serves`), if asked for, and by default on CUDA and for at least
     :data:`FLEX_MIN_KEYS_CPU` keys on CPU. Otherwise explicit for key padding or a weight kernel,
     the kernel gradient backend where it applies, else sdpa."""
     if preference not in BACKENDS:
         raise ValueError(f"unknown attention backend {preference!r}; choose one of: {', '.join(BACKENDS)}")
+    if preference == "fused" and not fused.runs_on(q.device):
+        raise KernelConfigError(fused.not_running_on(q.device))
     if preference == "explicit" or need_probabilities or needs_scores:
         return "explicit"
     if (preference == "fused" or (preference == "auto" and q.device.type == "cuda")) and fused.serves(q, bias):

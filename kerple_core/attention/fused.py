@@ -14,7 +14,7 @@ autograd reaches every kernel's and gate's parameters. The kernels are in
 
 It serves CUDA tensors, and CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, which the
 tests use), for float32, float16 and bfloat16 inputs with float32 accumulation (float32 products in IEEE
-precision, not TF32).
+precision, not TF32). Each launch takes the first of :data:`TILES` whose shared memory its GPU holds.
 """
 
 import functools
@@ -34,8 +34,25 @@ from kerple_core.attention.layer_bias import LayerBlockBias
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: largest head dimension (one tile of the head's dimensions)
 MAX_HEAD_DIM = 128
-#: queries and keys per tile
-BLOCK_M = BLOCK_N = 64
+
+
+class Tiles(NamedTuple):
+    """A launch's settings: square tiles of ``block`` queries and ``block`` keys, Triton's ``num_warps`` and
+    ``num_stages`` (the loads its loops pipeline: each stage holds its tiles in shared memory)."""
+
+    block: int
+    num_warps: int
+    num_stages: int
+
+
+#: launch settings, from the most pipelined to the least shared memory. A launch takes the first whose shared
+#: memory its GPU holds (Triton's OutOfResources refuses the others before they run). Compiled for each GPU
+#: on a CPU (tests/test_fused_attention.py), with 128-dimensional heads: float16 and bfloat16 take the first on
+#: an H100 or H200 (sm_90, 227 KiB a block), the second on an A100 (sm_80, 163 KiB) and the third on sm_86 and
+#: sm_89 GPUs (99 KiB); float32, the second, the third and the fourth.
+TILES = (Tiles(64, 4, 3), Tiles(64, 4, 2), Tiles(64, 4, 1), Tiles(32, 4, 2), Tiles(32, 4, 1))
+#: per kernel, device and compile-time constants: the index in :data:`TILES` of the first settings that fit
+_fitting = {}
 
 logger = logging.getLogger(__name__)
 #: why the kernel was set aside in this process (it failed to build or launch), if it was
@@ -46,6 +63,19 @@ set_aside_because = []
 def available() -> bool:
     """Triton is installed."""
     return importlib.util.find_spec("triton") is not None
+
+
+def runs_on(device: torch.device) -> bool:
+    """The kernel can run on ``device``: Triton installed, and a CUDA device (or the CPU under the interpreter)."""
+    return available() and (device.type == "cuda" or (device.type == "cpu" and interpreted()))
+
+
+def not_running_on(device: torch.device) -> str:
+    """Why ``--attention-backend fused`` cannot run on ``device``, and what to do (one line)."""
+    why = "Triton is not installed" if not available() else f"the model is on {device.type.upper()}"
+    return (f"--attention-backend fused runs on CUDA GPUs with Triton, and {why}: choose --attention-backend auto, "
+            "which takes the fused kernel wherever it runs (for a trained model: --model-overrides "
+            "\"{'attention_backend': 'auto'}\")")
 
 
 def interpreted() -> bool:
@@ -95,9 +125,7 @@ def fused_inputs(bias: BlockBias, device) -> FusedInputs:
 def serves(q: Tensor, bias: BlockBias) -> bool:
     """The kernel can attend the block: Triton installed, CUDA tensors (or CPU ones under the interpreter), a
     dtype it takes, heads of at most :data:`MAX_HEAD_DIM` dimensions, a bias it reads (:func:`distance_part`)."""
-    if set_aside_because or not available() or q.dtype not in DTYPES or q.size(-1) > MAX_HEAD_DIM:
-        return False
-    if not (q.device.type == "cuda" or (q.device.type == "cpu" and interpreted())):
+    if set_aside_because or not runs_on(q.device) or q.dtype not in DTYPES or q.size(-1) > MAX_HEAD_DIM:
         return False
     return distance_part(bias) is not None
 
@@ -135,13 +163,34 @@ def keep_mask(batch_heads: int, num_queries: int, num_keys: int, dropout: float,
     """``[batch * heads, queries, keys]`` bool: the cells the kernel keeps under dropout ``dropout`` with
     ``seed`` (the same stream as the kernel's; for tests)."""
     out = torch.empty(batch_heads, num_queries, num_keys, dtype=torch.int8, device=device)
-    grid = (triton_cdiv(num_queries, BLOCK_M), triton_cdiv(num_keys, BLOCK_N), batch_heads)
-    kernels().keep_mask_kernel[grid](out, seed, num_keys, num_queries, dropout, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+    block = TILES[0].block
+    grid = (triton_cdiv(num_queries, block), triton_cdiv(num_keys, block), batch_heads)
+    kernels().keep_mask_kernel[grid](out, seed, num_keys, num_queries, dropout, BLOCK_M=block, BLOCK_N=block)
     return out.bool()
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def launch(name: str, programs: int, batch_heads: int, device, args: tuple, constants: dict) -> None:
+    """Launch kernel ``name`` over ``programs`` tiles (of queries or keys) of ``batch_heads`` heads, with the first
+    of :data:`TILES`, from the last that fit these ``constants`` on ``device``, whose shared memory the GPU holds."""
+    from triton.runtime.errors import OutOfResources
+    kernel = getattr(kernels(), name)
+    key = (name, str(device), *sorted(constants.items()))
+    for index in range(_fitting.get(key, 0), len(TILES)):
+        tiles = TILES[index]
+        try:
+            kernel[(triton_cdiv(programs, tiles.block), batch_heads)](
+                *args, **constants, BLOCK_M=tiles.block, BLOCK_N=tiles.block, num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages)
+        except OutOfResources:
+            if index == len(TILES) - 1:
+                raise
+            continue
+        _fitting[key] = index
+        return
 
 
 def _placeholder(device) -> Tensor:
@@ -167,15 +216,14 @@ class _FusedAttention(torch.autograd.Function):
         gates_in = placeholder if gates is None else gates.contiguous()
         flags = dict(HAS_WEIGHT=weight is not None, HAS_GATES=gates is not None, HAS_PADDING=padding is not None,
                      HAS_DROPOUT=dropout > 0, IEEE=q.dtype == torch.float32,
-                     UPCAST=interpreted() and q.dtype == torch.bfloat16)
-        grid = (triton_cdiv(num_queries, BLOCK_M), batch * heads)
-        kernels().forward_kernel[grid](
+                     UPCAST=interpreted() and q.dtype == torch.bfloat16,
+                     BLOCK_D=max(16, _next_power_of_2(head_dim)), D=head_dim)
+        launch("forward_kernel", num_queries, batch * heads, q.device, (
             q, k, v, out, lse, values, placeholder if weight is None else weight.contiguous(), gates_in,
             placeholder if padding is None else padding, seed, dropout,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            heads, num_queries, num_keys, values.size(1), offset, window, **flags,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, _next_power_of_2(head_dim)), D=head_dim)
+            heads, num_queries, num_keys, values.size(1), offset, window), flags)
         ctx.save_for_backward(q, k, v, out, lse, values, weight, gates_in, padding)
         ctx.settings = (offset, window, dropout, seed, flags)
         ctx.needs = (ctx.needs_input_grad[3] or ctx.needs_input_grad[4], gates is not None)
@@ -206,12 +254,11 @@ class _FusedAttention(torch.autograd.Function):
                   v.stride(0), v.stride(1), v.stride(2),
                   grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
                   heads, num_queries, num_keys, num_distances, offset, window)
-        tiles = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, _next_power_of_2(head_dim)), D=head_dim)
-        kernels().backward_keys_kernel[(triton_cdiv(num_keys, BLOCK_N), batch * heads)](
-            q, k, v, grad_out, lse, delta, grad_k, grad_v, grad_key_gates, *common, **flags, **tiles)
-        kernels().backward_queries_kernel[(triton_cdiv(num_queries, BLOCK_M), batch * heads)](
-            q, k, v, grad_out, lse, delta, grad_q, grad_query_gates, grad_values, grad_weight, *common, **flags,
-            BIAS_GRAD=bias_grad, DIAGONALS=_next_power_of_2(BLOCK_M + BLOCK_N - 1), **tiles)
+        launch("backward_keys_kernel", num_keys, batch * heads, q.device,
+               (q, k, v, grad_out, lse, delta, grad_k, grad_v, grad_key_gates, *common), flags)
+        launch("backward_queries_kernel", num_queries, batch * heads, q.device,
+               (q, k, v, grad_out, lse, delta, grad_q, grad_query_gates, grad_values, grad_weight, *common),
+               dict(flags, BIAS_GRAD=bias_grad))
         grad_gates = None
         if has_gates:
             grad_gates = grad_key_gates

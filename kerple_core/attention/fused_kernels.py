@@ -213,7 +213,7 @@ def backward_keys_kernel(Q, K, V, DO, LSE, Delta, DK, DV, DGateKeys, Bias, Weigh
 
 @triton.jit
 def _diagonal_sums(x, column, on_tile):
-    """``[DIAGONALS]``: the sums of ``x`` ``[BLOCK_M, BLOCK_N]`` along its diagonals, sheared into columns."""
+    """``[BLOCK_M + BLOCK_N]``: the sums of ``x`` ``[BLOCK_M, BLOCK_N]`` along its diagonals, sheared into columns."""
     return tl.sum(tl.where(on_tile, tl.gather(x, column, 1), 0.0), 0)
 
 
@@ -224,8 +224,7 @@ def backward_queries_kernel(Q, K, V, DO, LSE, Delta, DQ, DGateQueries, DBias, DW
                             H, T, S, N, offset, window,
                             HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
                             HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BIAS_GRAD: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                            D: tl.constexpr, DIAGONALS: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
     m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -241,8 +240,10 @@ def backward_queries_kernel(Q, K, V, DO, LSE, Delta, DQ, DGateQueries, DBias, DW
     gates = Gates + bh * S
     grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     grad_query_gates = tl.zeros([BLOCK_M], tl.float32)
-    # cell (i, column[i, c]) of a tile lies on its diagonal c (i - j = c - (BLOCK_N - 1))
-    diagonal = tl.arange(0, DIAGONALS)
+    # cell (i, column[i, c]) of a tile lies on its diagonal c (i - j = c - (BLOCK_N - 1)); square tiles of a power
+    # of two have 2 BLOCK_M - 1 diagonals, one fewer than the power of two tl.arange needs
+    tl.static_assert(BLOCK_M == BLOCK_N)
+    diagonal = tl.arange(0, BLOCK_M + BLOCK_N)
     column = tl.arange(0, BLOCK_M)[:, None] - diagonal[None, :] + BLOCK_N - 1
     on_tile = (column >= 0) & (column < BLOCK_N)
     column = tl.where(on_tile, column, 0)

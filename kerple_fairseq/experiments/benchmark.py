@@ -140,7 +140,8 @@ def batch_of(length, args, device):
 
 def time_all(models, args, device):
     """Training steps and evaluation forwards (the ``--phases``) of every model at every length, in
-    rotating rounds; ratios to the ``--baseline``."""
+    rotating rounds; ratios to the ``--baseline``. On CUDA, also the peak memory of each model's first
+    (untimed) step above what was allocated before it, and its ratio to the baseline's."""
     rows = []
     for length in args.lengths:
         tokens = batch_of(length, args, device)
@@ -148,10 +149,17 @@ def time_all(models, args, device):
         for phase in args.phases:
             step = PHASES[phase]
             times, backends = {name: [] for name in models}, {}
-            for name, model in models.items():  # warm-up
+            peaks = {}
+            for name, model in models.items():  # warm-up, and on CUDA its peak memory
+                if device.type == "cuda":
+                    sync(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    before = torch.cuda.memory_allocated(device)
                 with recorded(model) as record:
                     step(model, tokens)
                 backends[name] = record.backends
+                if device.type == "cuda":
+                    peaks[name] = torch.cuda.max_memory_allocated(device) - before
             names = list(models)
             for round_ in range(args.repeats):
                 for name in names[round_ % len(names):] + names[:round_ % len(names)]:
@@ -164,11 +172,15 @@ def time_all(models, args, device):
             for name in models:
                 seconds = statistics.median(times[name])
                 ratio = statistics.median(t / base for t, base in zip(times[name], times[args.baseline]))
+                peak = peaks.get(name)
                 rows.append({"phase": phase, "length": length, "model": name, "batch": batch,
                              "ms": 1000 * seconds, "tokens_per_s": batch * length / seconds, "ratio": ratio,
-                             "rounds_ms": [1000 * t for t in times[name]], "backends": dict(backends[name])})
+                             "rounds_ms": [1000 * t for t in times[name]], "backends": dict(backends[name]),
+                             "peak_bytes": peak,
+                             "peak_ratio": None if peak is None else peak / max(peaks[args.baseline], 1)})
+                memory = "" if peak is None else f"  {peak / 2 ** 20:9.1f} MiB x{rows[-1]['peak_ratio']:.3f}"
                 print(f"{phase:<5} L={length:<6} {name:<20} {1000 * seconds:9.1f} ms  "
-                      f"{batch * length / seconds:9.0f} tok/s  x{ratio:.3f}  {backend_label(backends[name])}",
+                      f"{batch * length / seconds:9.0f} tok/s  x{ratio:.3f}{memory}  {backend_label(backends[name])}",
                       flush=True)
     return rows
 
