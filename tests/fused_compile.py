@@ -1,14 +1,14 @@
 """Compile the fused backend's kernels for a GPU on a machine without one (Triton's compiler down to the GPU's
 binary, no device needed), as the backend launches them, and report each launch settings' shared memory.
 
-    python tests/fused_compile.py --dtype float16 --head-dim 128 --arch 90 --limit 232448 [--plain]
+    python tests/fused_compile.py --dtype float16 --head-dim 128 --arch 80 --limits 166912 101376 [--plain]
 
 The launches are recorded from the backend's own forward and backward (:func:`kerple_core.attention.fused.launch`
 replaced by a recorder, so nothing runs): every flag on (a weight kernel, gates, padding, dropout), or, with
 ``--plain``, every flag off. For each of :data:`~kerple_core.attention.fused.TILES` in turn, every recorded
-kernel is compiled for ``sm_ARCH``, until one whose kernels all fit in ``--limit`` bytes of shared memory a block.
-Prints JSON: ``{"fits": index or null, "tried": [[index, {kernel: shared bytes}], ...]}``. Run in its own process,
-without ``TRITON_INTERPRET``, which the test process sets.
+kernel is compiled for ``sm_ARCH``, until, for each of ``--limits`` (bytes of shared memory a block), settings
+whose kernels all fit. Prints JSON: ``{"fits": {limit: index or null}, "tried": [[index, {kernel: shared bytes}],
+...]}``. Run in its own process, without ``TRITON_INTERPRET``, which the test process sets.
 """
 
 import argparse
@@ -64,7 +64,8 @@ def main():
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], required=True)
     p.add_argument("--head-dim", type=int, required=True)
     p.add_argument("--arch", type=int, required=True, help="compute capability, e.g. 90 for sm_90")
-    p.add_argument("--limit", type=int, required=True, help="shared memory a block may take, in bytes")
+    p.add_argument("--limits", type=int, nargs="+", required=True,
+                   help="shared memory a block may take, in bytes: one for each GPU of this architecture's binary")
     p.add_argument("--plain", action="store_true", help="every flag off")
     args = p.parse_args()
     assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compiling needs Triton's compiler, not its interpreter"
@@ -72,16 +73,19 @@ def main():
     launches = recorded_launches(getattr(torch, args.dtype), args.head_dim, args.plain)
     # the backward over keys first: the most shared memory, so a setting too large is refused at once
     launches.sort(key=lambda launch: launch[0] != "backward_keys_kernel")
-    tried, fits = [], None
+    tried, fits = [], {limit: None for limit in args.limits}
     for index, tiles in enumerate(TILES):
         shared = {}
         for name, launch_args, constants in launches:
             shared[name] = compiled_shared_memory(name, launch_args, constants, tiles, args.arch)
-            if shared[name] > args.limit:
-                break
+            if shared[name] > max(limit for limit, fit in fits.items() if fit is None):
+                break  # too large for every GPU still without settings
         tried.append([index, shared])
-        if len(shared) == len(launches) and max(shared.values()) <= args.limit:
-            fits = index
+        if len(shared) == len(launches):
+            for limit, fit in fits.items():
+                if fit is None and max(shared.values()) <= limit:
+                    fits[limit] = index
+        if all(fit is not None for fit in fits.values()):
             break
     print(json.dumps({"fits": fits, "tried": tried}))
 
