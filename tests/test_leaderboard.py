@@ -90,12 +90,16 @@ def test_each_seed_is_paired_with_the_same_seed_of_each_reference(board):
                              samples=400, seed=1)
             assert v.difference[k] == pytest.approx(perplexity(scores[v.model, k][v.protocol, v.length])
                                                     - perplexity(scores[v.reference, k][v.protocol, v.length]), rel=1e-5)
-            assert v.interval[k] == direct.difference_interval[0]
+            assert v.bootstrap_interval[k] == pytest.approx(direct.difference_interval[0], rel=1e-12)
+            assert v.t_interval[k] == pytest.approx(direct.difference_t_interval[0], rel=1e-12)
+            inner = v.bootstrap_inner[k]
+            assert v.interval[k] == [min(inner[0], v.t_interval[k][0]), max(inner[1], v.t_interval[k][1])]
 
 
 def test_verdicts():
     def versus(differences, intervals):
-        return Versus("m", "r", "last-token", 16, list(range(len(differences))), differences, intervals).verdict
+        return Versus("m", "r", "last-token", 16, list(range(len(differences))), differences, intervals, intervals,
+                      intervals, 200).verdict
 
     assert versus([1.0, 2.0], [[0.5, 1.5], [1.0, 3.0]]) == RESOLVED
     assert versus([-1.0, -2.0], [[-1.5, -0.5], [-3.0, -1.0]]) == RESOLVED
@@ -221,7 +225,8 @@ def test_a_model_with_fewer_seeds_is_compared_on_the_seeds_both_have():
         direct = compare("early-token-cursed", 64, ["alibi", "rotary_yarn"],
                          [scores["alibi", k]["early-token-cursed", 64], scores["rotary_yarn", k]["early-token-cursed", 64]],
                          samples=400, seed=1)
-        assert compared["rotary_yarn", "alibi"].interval[k - 1] == direct.difference_interval[0]
+        assert compared["rotary_yarn", "alibi"].bootstrap_interval[k - 1] == pytest.approx(
+            direct.difference_interval[0], rel=1e-12)
     table = leaderboard.markdown(board, "early-token-cursed")
     assert "resolved (2 seeds)" in table and "rotary: no common seed" in table
     seeds = leaderboard.seed_markdown(board, "early-token-cursed", 64).splitlines()

@@ -217,3 +217,64 @@ def test_compare_command_groups_runs_of_a_model_by_label(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == ("kerple-analyze: error: a label repeated names the runs (seeds) "
                                                     "of one model, and every model needs as many: A has 2, B has 1")
     assert not (tmp_path / "uneven").exists()
+
+
+def test_resampled_weights_are_the_draws_counted():
+    """The bootstrap by weights equals drawing the units one by one (the same stream), perplexity by perplexity."""
+    from kerple_fairseq.analysis.significance import bootstrap_perplexities, resample_weights
+    rng = np.random.default_rng(0)
+    losses, counts = rng.uniform(1, 9, size=(3, 37)), rng.integers(5, 60, size=37)
+    weights = np.concatenate(list(resample_weights(37, 250, seed=4)))
+    direct = np.random.default_rng(4).integers(0, 37, size=(250, 37))  # one chunk: 250 x 37 draws
+    assert np.array_equal(weights, np.stack([np.bincount(row, minlength=37) for row in direct]))
+    expected = np.exp(np.stack([losses[:, row].sum(axis=1) / counts[row].sum() for row in direct]))
+    np.testing.assert_allclose(bootstrap_perplexities(losses, counts, 250, seed=4), expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("probability, df, expected", [
+    (0.975, 1, 12.706205), (0.975, 2, 4.302653), (0.975, 26, 2.055529), (0.975, 199, 1.971957), (0.995, 10, 3.169273)])
+def test_student_t_quantiles_match_the_tables(probability, df, expected):
+    from kerple_fairseq.analysis.significance import student_t_quantile
+    assert student_t_quantile(probability, df) == pytest.approx(expected, abs=2e-6)
+
+
+def test_the_t_interval_is_the_jackknife_error_by_leaving_each_unit_out():
+    from kerple_fairseq.analysis.significance import jackknife_t_interval, student_t_quantile
+    rng = np.random.default_rng(2)
+    counts = rng.integers(100, 300, size=27)
+    losses = np.stack([counts * rng.normal(5.0, 0.3, 27), counts * rng.normal(5.05, 0.3, 27)])
+    left_out = []
+    for i in range(27):  # the difference of perplexities without unit i, by plain loops
+        keep = [j for j in range(27) if j != i]
+        ppl = [math.exp(sum(losses[m, j] for j in keep) / sum(counts[j] for j in keep)) for m in (0, 1)]
+        left_out.append(ppl[1] - ppl[0])
+    mean = sum(left_out) / 27
+    error = math.sqrt(26 / 27 * sum((x - mean) ** 2 for x in left_out))
+    difference = math.exp(losses[1].sum() / counts.sum()) - math.exp(losses[0].sum() / counts.sum())
+    half = student_t_quantile(0.975, 26) * error
+    assert jackknife_t_interval(losses, counts, 0.95) == pytest.approx([difference - half, difference + half], rel=1e-9)
+    assert all(math.isnan(x) for x in jackknife_t_interval(losses[:, :1], counts[:1], 0.95))
+
+
+def test_the_inner_bootstrap_interval_is_its_endpoints_moved_by_their_monte_carlo_error():
+    """A percentile endpoint of B resamples moves inward by 3.29 binomial standard errors of its rank; the deciding
+    interval is the more conservative of that and the t-interval at each end."""
+    from kerple_fairseq.analysis.leaderboard import RESOLVED, NOT_RESOLVED, Versus
+    from kerple_fairseq.analysis.significance import bootstrap_perplexities, paired_differences
+    rng = np.random.default_rng(5)
+    counts = rng.integers(50, 80, size=200)
+    losses = np.stack([counts * rng.normal(5.0, 0.4, 200), counts * rng.normal(5.02, 0.4, 200)])
+    (found,) = paired_differences(losses, counts, [(0, 1)], samples=4000, seed=9, confidence=0.95)
+    boot = bootstrap_perplexities(losses, counts, 4000, seed=9)
+    difference = boot[:, 1] - boot[:, 0]
+    step = 3.29 * math.sqrt(0.025 * 0.975 / 4000)
+    assert found.bootstrap == pytest.approx(np.percentile(difference, [2.5, 97.5]).tolist())
+    assert found.bootstrap_inner == pytest.approx(np.percentile(difference, [100 * (0.025 + step),
+                                                                             100 * (0.975 - step)]).tolist())
+    assert found.bootstrap[0] < found.bootstrap_inner[0] < found.bootstrap_inner[1] < found.bootstrap[1]
+    v = Versus("b", "a", "last-token", 64, [1], [1.0], [[0.5, 1.5]], [[0.6, 1.4]], [[0.7, 1.6]], 200)
+    assert v.interval == [[0.6, 1.6]] and v.verdict == RESOLVED
+    v.t_interval = [[-0.1, 1.6]]
+    assert v.interval == [[-0.1, 1.6]] and v.verdict == NOT_RESOLVED, "the t-interval decides where it is wider"
+    v.t_interval, v.bootstrap_inner = [[0.7, 1.6]], [[-0.01, 1.4]]
+    assert v.verdict == NOT_RESOLVED, "the bootstrap decides where it is wider beyond its Monte-Carlo error"

@@ -8,8 +8,10 @@ from the one to the other. Against each of its references (ALiBi, and the
 baseline of its own family: rotary for the rotary family, the underlying kernel for DAPE), seed by
 seed: the difference in perplexity with its paired-bootstrap interval (each seed of the model against
 the same seed of the reference, on the same scored tokens, over the seeds both have; see
-:mod:`significance`). The verdict on a difference is *resolved* when its sign is the same in every
-compared seed and every seed's interval excludes zero, and *not resolved* otherwise.
+:mod:`significance`) and its t-interval over the units; each seed's interval is the more conservative of the
+two at each end, the bootstrap's endpoints first moved inward by their Monte-Carlo error, so that no
+verdict depends on the bootstrap's seed. The verdict on a difference is *resolved* when its sign is the same in
+every compared seed and every seed's interval excludes zero, and *not resolved* otherwise.
 """
 
 import math
@@ -48,7 +50,17 @@ class Versus:
     length: int
     seeds: List[int]  # those both were trained with
     difference: List[float]  # model's perplexity - reference's, in the order of seeds
-    interval: List[List[float]]  # its paired-bootstrap interval, in the order of seeds
+    bootstrap_interval: List[List[float]]  # its paired-bootstrap (percentile) interval, in the order of seeds
+    bootstrap_inner: List[List[float]]  # the same, each endpoint moved inward by its Monte-Carlo error
+    t_interval: List[List[float]]  # its t-interval over the units, in the order of seeds
+    units: int  # the units both resample (blocks, or last-token targets)
+
+    @property
+    def interval(self) -> List[List[float]]:
+        """Each seed's deciding interval, the more conservative at each end of the t-interval and the bootstrap's
+        moved inward by its Monte-Carlo error: so the bootstrap widens it only where it is wider beyond what
+        another bootstrap seed could change."""
+        return [[min(b[0], t[0]), max(b[1], t[1])] for b, t in zip(self.bootstrap_inner, self.t_interval)]
 
     @property
     def verdict(self) -> str:
@@ -101,21 +113,44 @@ class Leaderboard:
 Scores = Callable[[str, int], Dict[Tuple[str, int], SpanLosses]]  # (model, seed): span losses by (protocol, length)
 
 
+def compared(pairs: Sequence[Tuple[str, str, Sequence[int]]], protocol: str, length: int, scores: Scores,
+             samples: int = significance.BOARD_SAMPLES, bootstrap_seed: int = 1,
+             confidence: float = 0.95) -> List[Versus]:
+    """Each ``(model, reference, seeds)`` of ``pairs`` at ``protocol`` and ``length``, each seed of the model paired
+    with the same seed of the reference; one paired bootstrap resamples every run involved."""
+    runs = list(dict.fromkeys((name, seed) for model, reference, seeds in pairs
+                              for seed in seeds for name in (reference, model)))
+    if not runs:
+        return [Versus(model, reference, protocol, length, [], [], [], [], [], 0) for model, reference, _ in pairs]
+    spans = [scores(name, seed)[protocol, length] for name, seed in runs]
+    for (name, seed), s in zip(runs[1:], spans[1:]):
+        if s.tokens != spans[0].tokens:
+            raise UsageError(f"{name} (seed {seed}) and {runs[0][0]} (seed {runs[0][1]}) scored different tokens "
+                             f"under {protocol} at length {length}; compare runs evaluated alike")
+    column = {run: k for k, run in enumerate(runs)}
+    counts = spans[0].count
+    found = significance.paired_differences(
+        np.stack([s.loss for s in spans]), counts,
+        [(column[reference, seed], column[model, seed]) for model, reference, seeds in pairs for seed in seeds],
+        samples, bootstrap_seed, confidence)
+    out, k = [], 0
+    for model, reference, seeds in pairs:
+        mine = found[k:k + len(seeds)]
+        out.append(Versus(model, reference, protocol, length, list(seeds), [f.difference for f in mine],
+                          [f.bootstrap for f in mine], [f.bootstrap_inner for f in mine], [f.t for f in mine],
+                          int(counts.size)))
+        k += len(seeds)
+    return out
+
+
 def paired(model: str, reference: str, protocol: str, length: int, seeds: Sequence[int], scores: Scores,
-           samples: int = 1000, bootstrap_seed: int = 1, confidence: float = 0.95) -> Versus:
+           samples: int = significance.BOARD_SAMPLES, bootstrap_seed: int = 1, confidence: float = 0.95) -> Versus:
     """``model`` against ``reference`` at ``protocol`` and ``length``, each of ``seeds`` paired with itself."""
-    v = Versus(model, reference, protocol, length, list(seeds), [], [])
-    for k, seed in enumerate(seeds, 1):
-        c = significance.compare_spans(protocol, length, [reference, model],
-                                       [scores(reference, seed)[protocol, length], scores(model, seed)[protocol, length]],
-                                       samples, bootstrap_seed, confidence, replicate=k)
-        v.difference.append(c.difference[0])
-        v.interval.append(c.difference_interval[0])
-    return v
+    return compared([(model, reference, seeds)], protocol, length, scores, samples, bootstrap_seed, confidence)[0]
 
 
 def build(entrants: Sequence[Entrant], train_length: int, scores: Scores,
-          samples: int = 1000, bootstrap_seed: int = 1, confidence: float = 0.95) -> Leaderboard:
+          samples: int = significance.BOARD_SAMPLES, bootstrap_seed: int = 1, confidence: float = 0.95) -> Leaderboard:
     """The board of ``entrants``; ``scores(name, seed)`` gives the span losses of model ``name`` trained
     with ``seed`` by protocol and length."""
     by_name = {e.name: e for e in entrants}
@@ -135,11 +170,10 @@ def build(entrants: Sequence[Entrant], train_length: int, scores: Scores,
                 if None in ppl:
                     raise UsageError(f"{e.name} lacks {protocol} at L={n} in some seed")
                 board.ppl[e.name, protocol, n] = ppl
-    for e in entrants:
-        for reference in dict.fromkeys(r for r in e.references if r in by_name and r != e.name):
-            common = sorted(set(e.records) & set(by_name[reference].records))
-            board.versus.extend(paired(e.name, reference, p, n, common, scores, samples, bootstrap_seed, confidence)
-                                for p in protocols for n in lengths)
+    pairs = [(e.name, reference, sorted(set(e.records) & set(by_name[reference].records)))
+             for e in entrants for reference in dict.fromkeys(r for r in e.references if r in by_name and r != e.name)]
+    at = {(p, n): compared(pairs, p, n, scores, samples, bootstrap_seed, confidence) for p in protocols for n in lengths}
+    board.versus = [at[p, n][k] for k in range(len(pairs)) for p in protocols for n in lengths]
     return board
 
 
@@ -175,17 +209,19 @@ def markdown(board: Leaderboard, protocol: str) -> str:
 
 
 def seed_markdown(board: Leaderboard, protocol: str, length: int) -> str:
-    """Every difference to a reference at ``length``, seed by seed, with its interval."""
+    """Every difference to a reference at ``length``, seed by seed, with its deciding interval
+    (:attr:`Versus.interval`) and the number of units resampled."""
     labels = {e.name: e.label for e in board.entrants}
     level = f"{100 * board.confidence:g}%"
     lines = ["| model | − reference | " + " | ".join(f"seed {s} ({level} interval)" for s in board.seeds)
-             + " | verdict |", "|---|---|" + "---|" * len(board.seeds) + "---|"]
+             + " | units | verdict |", "|---|---|" + "---|" * len(board.seeds) + "---|---|"]
     for v in board.versus:
         if (v.protocol, v.length) == (protocol, length):
             cells = {seed: f"{d:+.2f} [{low:+.2f}, {high:+.2f}]"
                      for seed, d, (low, high) in zip(v.seeds, v.difference, v.interval)}
             seeds = [cells.get(seed, "") for seed in board.seeds]
-            lines.append(f"| {labels[v.model]} | {labels[v.reference]} | " + " | ".join(seeds) + f" | {v.verdict} |")
+            lines.append(f"| {labels[v.model]} | {labels[v.reference]} | " + " | ".join(seeds)
+                         + f" | {v.units} | {v.verdict} |")
     return "\n".join(lines)
 
 
@@ -202,10 +238,13 @@ def lengths_markdown(board: Leaderboard) -> str:
 
 def csv_rows(board: Leaderboard) -> Tuple[List[str], List[list]]:
     """A row per model, protocol and length: mean, sd, its seeds and each one's perplexity, ranks there, and
-    for each reference the seeds compared, their differences, intervals and verdict (``;``-separated by seed). The intervals, bootstrap
-    percentiles whose last digits differ from one NumPy to another, are written to 10 significant digits."""
+    for each reference the seeds compared, their differences, intervals (the deciding one, the bootstrap's, the
+    bootstrap's moved inward by its Monte-Carlo error, the t-interval) and verdict (``;``-separated by seed),
+    and the units resampled. The intervals, whose last
+    digits differ from one NumPy to another, are written to 10 significant digits."""
     header = ["model", "label", "family", "protocol", "length", "mean", "sd", "seeds", "ppl_by_seed", "rank",
-              "reference", "compared_seeds", "difference_by_seed", "interval_by_seed", "verdict"]
+              "reference", "compared_seeds", "difference_by_seed", "interval_by_seed", "verdict",
+              "bootstrap_interval_by_seed", "bootstrap_inner_by_seed", "t_interval_by_seed", "units"]
     rows = []
     for protocol in board.protocols:
         for n in board.lengths:
@@ -214,8 +253,13 @@ def csv_rows(board: Leaderboard) -> Tuple[List[str], List[list]]:
                 common = [e.name, e.label, e.family, protocol, n, repr(board.mean(e.name, protocol, n)),
                           repr(board.sd(e.name, protocol, n)), ";".join(map(str, sorted(e.records))),
                           ";".join(map(repr, board.ppl[e.name, protocol, n])), ranks[e.name]]
-                rows.append(common + ["", "", "", "", ""])
+                rows.append(common + [""] * 9)
                 for v in board.against(e.name, protocol, n):
                     rows.append(common + [v.reference, ";".join(map(str, v.seeds)), ";".join(map(repr, v.difference)),
-                                          ";".join(f"{low:.10g}/{high:.10g}" for low, high in v.interval), v.verdict])
+                                          _intervals(v.interval), v.verdict, _intervals(v.bootstrap_interval),
+                                          _intervals(v.bootstrap_inner), _intervals(v.t_interval), v.units])
     return header, rows
+
+
+def _intervals(intervals: Sequence[Sequence[float]]) -> str:
+    return ";".join(f"{low:.10g}/{high:.10g}" for low, high in intervals)

@@ -17,6 +17,7 @@ and the swap is the unequal seeds'.
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
+from kerple_fairseq.analysis import significance
 from kerple_fairseq.analysis.leaderboard import RESOLVED, Leaderboard, Scores, Versus, paired
 
 BOTH, NEITHER = "reversed (resolved at both)", "resolved at neither"
@@ -63,7 +64,7 @@ class TwoLengths:
 
 
 def build(short: Leaderboard, long_: Leaderboard, short_scores: Scores, long_scores: Scores,
-          samples: int = 1000, bootstrap_seed: int = 1, confidence: float = 0.95) -> TwoLengths:
+          samples: int = significance.BOARD_SAMPLES, bootstrap_seed: int = 1, confidence: float = 0.95) -> TwoLengths:
     """Both boards seen together (``short`` trained at the shorter length); ``*_scores(name, seed)`` give
     each board's span losses, from which each swap is compared."""
     if short.train_length > long_.train_length:
@@ -151,15 +152,17 @@ def csv_rows(view: TwoLengths) -> Tuple[List[str], List[list]]:
 
 def swap_csv_rows(view: TwoLengths) -> Tuple[List[str], List[list]]:
     """A row per swap and training length: the pair, the seeds compared, the differences and intervals
-    (``;``-separated by seed), the verdict there and the finding."""
+    (``;``-separated by seed; the wider of the bootstrap's and the t-interval), the units resampled, the verdict
+    there and the finding."""
     header = ["protocol", "ahead", "behind", "train_length", "length", "compared_seeds", "difference_by_seed",
-              "interval_by_seed", "verdict", "finding"]
+              "interval_by_seed", "units", "verdict", "finding"]
     rows = []
     for s in view.swaps:
         for board, v in zip(view.boards, s.versus):
             rows.append([s.protocol, s.ahead, s.behind, board.train_length, v.length, ";".join(map(str, v.seeds)),
                          ";".join(map(repr, v.difference)),
-                         ";".join(f"{low:.10g}/{high:.10g}" for low, high in v.interval), v.verdict, s.finding])
+                         ";".join(f"{low:.10g}/{high:.10g}" for low, high in v.interval), v.units, v.verdict,
+                         s.finding])
     return header, rows
 
 

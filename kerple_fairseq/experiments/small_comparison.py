@@ -16,7 +16,7 @@ import sys
 import time
 from functools import lru_cache, partial
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from kerple_fairseq.analysis import figures, leaderboard, two_lengths
 from kerple_fairseq.analysis.output_files import write_csv, write_text
@@ -204,8 +204,8 @@ def duration(seconds: float) -> str:
     return f"{minutes // 60} h {minutes % 60} min" if minutes >= 60 else f"{minutes} min"
 
 
-def board_of(runs: Dict[Run, Path], records: Dict[Run, List[dict]],
-             train_length: int) -> Tuple[leaderboard.Leaderboard, leaderboard.Scores]:
+def board_of(runs: Dict[Run, Path], records: Dict[Run, List[dict]], train_length: int,
+             bootstrap_seed: int = 1) -> Tuple[leaderboard.Leaderboard, leaderboard.Scores]:
     """The leaderboard of a comparison's evaluated ``runs`` (their directories, each with its span losses),
     from their kerple-eval-lm ``records``, each model against ALiBi and its family's baseline; and the
     runs' span losses by model and seed."""
@@ -220,7 +220,7 @@ def board_of(runs: Dict[Run, Path], records: Dict[Run, List[dict]],
     def scores(name: str, seed: int):
         return span_losses.load(str(runs[name, seed] / SPAN_LOSSES))
 
-    return leaderboard.build(entrants, train_length, scores), scores
+    return leaderboard.build(entrants, train_length, scores, bootstrap_seed=bootstrap_seed), scores
 
 
 def write_leaderboard(args: argparse.Namespace,
@@ -304,15 +304,21 @@ def planned_runs(args: argparse.Namespace, runs: List[Run]) -> List[Run]:
     return chosen
 
 
+def evaluated_in(directory: Path, models: Sequence[str]) -> Tuple[Dict[Run, Path], Dict[Run, List[dict]], set]:
+    """The evaluated runs of ``models`` in a comparison's ``directory`` (those with span losses and kerple-eval-lm
+    records): their directories, records, and the training lengths they name."""
+    runs = {run: path for run, path in run_dirs(directory).items()
+            if run[0] in models and (path / SPAN_LOSSES).is_file() and (path / "eval.json").is_file()}
+    records = {run: json.loads((path / "eval.json").read_text()) for run, path in runs.items()}
+    return runs, records, {r.get("train_length") for rs in records.values() for r in rs}
+
+
 def other_length(args: argparse.Namespace) -> Tuple[Dict[Run, Path], Dict[Run, List[dict]], int]:
     """``--other-length``'s evaluated runs of these models (their directories and kerple-eval-lm records)
     and the length they were trained at; a :class:`UsageError` where it holds none, or several lengths, or
     this comparison's."""
-    runs = {run: path for run, path in run_dirs(args.other_length).items()
-            if run[0] in args.models and (path / SPAN_LOSSES).is_file() and (path / "eval.json").is_file()}
     try:
-        records = {run: json.loads((path / "eval.json").read_text()) for run, path in runs.items()}
-        lengths = {r.get("train_length") for rs in records.values() for r in rs}
+        runs, records, lengths = evaluated_in(args.other_length, args.models)
     except (ValueError, TypeError, AttributeError) as e:
         raise UsageError(f"--other-length {args.other_length} holds an unreadable eval.json ({e}): give the --out of a "
                          "comparison at another training length") from None
