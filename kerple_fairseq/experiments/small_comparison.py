@@ -18,7 +18,7 @@ from functools import lru_cache, partial
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from kerple_fairseq.analysis import figures, leaderboard, two_lengths
+from kerple_fairseq.analysis import figures, leaderboard, significance, two_lengths
 from kerple_fairseq.analysis.output_files import write_csv, write_text
 from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation import per_token, span_losses
@@ -239,9 +239,12 @@ def write_leaderboard(args: argparse.Namespace,
             f"Validation perplexity, mean ± sample standard deviation over the seeds, trained at L={short} "
             f"for {args.updates} updates of {args.max_tokens} tokens; {args.layers} layers, width {args.width}, "
             f"{args.heads} heads, {args.vocab_size or 'full'} vocabulary. Ranked by the mean at L={long_}. "
-            f"A difference (model − reference, seed by seed, each with its paired-bootstrap "
-            f"{100 * board.confidence:g}% interval) is resolved when every seed has the same sign and an interval "
-            f"excluding zero. Training and evaluation took {duration(seconds)} in all on this machine "
+            f"A difference (model − reference, seed by seed, each with its {100 * board.confidence:g}% interval: at "
+            f"each end the more conservative of a paired bootstrap's, over {significance.BOARD_SAMPLES:,} resamples of "
+            "the scored blocks or "
+            "targets and moved inward by its Monte-Carlo error, and a t-interval over them) is resolved when every "
+            "seed has the same sign and an interval excluding zero; no verdict depends on the bootstrap's seed. "
+            f"Training and evaluation took {duration(seconds)} in all on this machine "
             "(the sum of the recorded steps)."
             + (f" Trained with fewer seeds (--budget-hours): {', '.join(fewer)}; each is compared over the seeds "
                "it shares with its reference." if fewer else "")]
