@@ -195,6 +195,26 @@ def test_one_block_against_float64(dtype, queries, keys, offset, window, head_di
         torch.testing.assert_close(a.double(), b.double(), rtol=0, atol=tolerance * scale * 4, msg=name)
 
 
+@pytest.mark.parametrize("name", ["kerple_log", "kerple_bias_wht"])
+def test_the_per_distance_gradient_per_program_and_per_head_alike(name, monkeypatch):
+    """Summed per program in a fixed order (the default, deterministic) or added atomically into a row per head
+    (beyond ``DETERMINISTIC_CELLS``): the same kernel parameters' gradients as the explicit path's."""
+    kernel, source = kernel_bias(name, 2, window=0)
+    q, k, v = block_inputs(2, 2, 70, 90, 16, torch.float32)
+    bias = source.for_block(QueryBlock(0, 70, 0, 90, 20), 90, shared=False)
+    parameters = list(kernel.parameters())
+    logits = biased_scores(q, k, source.for_block(QueryBlock(0, 70, 0, 90, 20), 90, shared=False))
+    want = gradients(torch.softmax(logits, -1) @ v, parameters)
+    found = {}
+    for cells in (fused.DETERMINISTIC_CELLS, 0):
+        monkeypatch.setattr(fused, "DETERMINISTIC_CELLS", cells)
+        found[cells] = gradients(fused.attend(q, k, v, bias), parameters)
+        for a, b in zip(found[cells], want):
+            torch.testing.assert_close(a, b, rtol=0, atol=5e-5 * max(1.0, b.abs().max().item()))
+    for a, b in zip(*found.values()):  # the same sums in another order: float32 rounding apart
+        torch.testing.assert_close(a, b, rtol=0, atol=4e-6 * max(1.0, b.abs().max().item()))
+
+
 def test_padded_keys_and_rows_that_see_nothing():
     """A query whose window holds only padding attends to nothing: zeros, and no NaN in any gradient."""
     kernel, source = kernel_bias("alibi", 2, window=4)

@@ -8,7 +8,8 @@ float32 scores and never laid out. Tiles wholly in the future or outside an atte
 Attention dropout is applied inside the kernel from a counter-based random stream (a seed drawn from
 PyTorch's generator and each cell's index), which the backward regenerates: no mask is stored. The
 backward returns the gradients of the queries, keys and values, of the per-distance values (each tile's
-logit gradients summed along its diagonals) and of the gates' state (row and column sums), from which
+logit gradients summed along its diagonals, per program and then in a fixed order, so that they repeat
+exactly, up to :data:`DETERMINISTIC_CELLS`) and of the gates' state (row and column sums), from which
 autograd reaches every kernel's and gate's parameters. The kernels are in
 :mod:`kerple_core.attention.fused_kernels` (FlashAttention-2's tiling).
 
@@ -51,6 +52,9 @@ class Tiles(NamedTuple):
 #: an H100 or H200 (sm_90, 227 KiB a block), the second on an A100 (sm_80, 163 KiB) and the third on sm_86 and
 #: sm_89 GPUs (99 KiB); float32, the second, the third and the fourth.
 TILES = (Tiles(64, 4, 3), Tiles(64, 4, 2), Tiles(64, 4, 1), Tiles(32, 4, 2), Tiles(32, 4, 1))
+#: the most cells (batch x heads x query tiles x distances) of the per-distance gradients summed per program in a
+#: fixed order (deterministic, 64 MiB of float32); beyond it the programs add into a row per head atomically
+DETERMINISTIC_CELLS = 2 ** 24
 #: per kernel, device and compile-time constants: the index in :data:`TILES` of the first settings that fit
 _fitting = {}
 
@@ -246,8 +250,13 @@ class _FusedAttention(torch.autograd.Function):
             if has_gates else placeholder
         grad_query_gates = torch.zeros(batch, heads, num_queries, dtype=torch.float32, device=q.device) \
             if has_gates else placeholder
-        grad_values = torch.zeros_like(values) if bias_grad else placeholder
-        grad_weight = torch.zeros_like(weight) if bias_grad and weight is not None else placeholder
+        # the per-distance gradients: a row per program where that is small (summed below in a fixed order, so the
+        # same inputs give the same gradient), else a row per head that the programs add to atomically
+        tiles = triton_cdiv(num_queries, min(t.block for t in TILES))
+        per_program = batch * heads * tiles * num_distances <= DETERMINISTIC_CELLS
+        rows, row_strides = ((batch, heads, tiles), (heads * tiles, tiles, 1)) if per_program else ((heads,), (0, 1, 0))
+        grad_values = values.new_zeros(*rows, num_distances) if bias_grad else placeholder
+        grad_weight = weight.new_zeros(*rows, num_distances) if bias_grad and weight is not None else placeholder
         common = (values, placeholder if weight is None else weight, gates,
                   placeholder if padding is None else padding, seed, dropout,
                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -257,12 +266,16 @@ class _FusedAttention(torch.autograd.Function):
         launch("backward_keys_kernel", num_keys, batch * heads, q.device,
                (q, k, v, grad_out, lse, delta, grad_k, grad_v, grad_key_gates, *common), flags)
         launch("backward_queries_kernel", num_queries, batch * heads, q.device,
-               (q, k, v, grad_out, lse, delta, grad_q, grad_query_gates, grad_values, grad_weight, *common),
+               (q, k, v, grad_out, lse, delta, grad_q, grad_query_gates, grad_values, grad_weight, *row_strides,
+                *common),
                dict(flags, BIAS_GRAD=bias_grad))
         grad_gates = None
         if has_gates:
             grad_gates = grad_key_gates
             grad_gates[..., offset:offset + num_queries] += grad_query_gates
+        if per_program and bias_grad:
+            grad_values = grad_values.sum((0, 2))
+            grad_weight = grad_weight.sum((0, 2)) if weight is not None else grad_weight
         return (grad_q, grad_k, grad_v, grad_values if bias_grad else None,
                 grad_weight if bias_grad and weight is not None else None, grad_gates,
                 None, None, None, None, None)

@@ -5,7 +5,7 @@ of one head runs over the key tiles its queries see with an online softmax; the 
 probabilities from the saved log-sum-exp, one program per key tile for ``dK``, ``dV`` and the gates'
 column sums, one per query tile for ``dQ``, the gates' row sums and the per-distance gradients (each tile's logit
 gradients sheared so that its diagonals become columns, summed, and added with one atomic add per
-distance).
+distance, into a row of the program's own, summed in a fixed order after the kernel, or of its head's).
 
 The logit of query ``t`` and key ``s`` (``d = offset + t - s`` positions apart) is
 
@@ -218,8 +218,8 @@ def _diagonal_sums(x, column, on_tile):
 
 
 @triton.jit
-def backward_queries_kernel(Q, K, V, DO, LSE, Delta, DQ, DGateQueries, DBias, DWeight, Bias, Weight, Gates,
-                            Padding, seed, p,
+def backward_queries_kernel(Q, K, V, DO, LSE, Delta, DQ, DGateQueries, DBias, DWeight, sgb, sgh, sgm,
+                            Bias, Weight, Gates, Padding, seed, p,
                             sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sdb, sdh, sdt,
                             H, T, S, N, offset, window,
                             HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
@@ -248,6 +248,8 @@ def backward_queries_kernel(Q, K, V, DO, LSE, Delta, DQ, DGateQueries, DBias, DW
     on_tile = (column >= 0) & (column < BLOCK_N)
     column = tl.where(on_tile, column, 0)
     lo, hi = _key_range(m * BLOCK_M, tl.minimum(m * BLOCK_M + BLOCK_M, T) - 1, offset, window, S, BLOCK_N)
+    # this program's row of the per-distance gradients: its own (deterministic sums) or its head's (atomic)
+    grad_row = (b * sgb + h * sgh + m * sgm) * N
     for start in range(lo, hi, BLOCK_N):
         s = start + tl.arange(0, BLOCK_N)
         k = _rows(K, b, h, skb, skh, sks, s, S, j, D)
@@ -262,10 +264,10 @@ def backward_queries_kernel(Q, K, V, DO, LSE, Delta, DQ, DGateQueries, DBias, DW
             # the tile's diagonals summed, one atomic add per distance: d = offset + t0 - s0 + c - (BLOCK_N - 1)
             distances = offset + m * BLOCK_M - start + diagonal - (BLOCK_N - 1)
             adds = (diagonal < BLOCK_M + BLOCK_N - 1) & (distances >= 0) & (distances < N)
-            tl.atomic_add(DBias + h * N + distances, _diagonal_sums(tl.where(seen, grad_logits, 0.0), column, on_tile),
+            tl.atomic_add(DBias + grad_row + distances, _diagonal_sums(tl.where(seen, grad_logits, 0.0), column, on_tile),
                           mask=adds)
             if HAS_WEIGHT:
-                tl.atomic_add(DWeight + h * N + distances,
+                tl.atomic_add(DWeight + grad_row + distances,
                               _diagonal_sums(tl.where(seen, grad_logits * scores, 0.0), column, on_tile), mask=adds)
         grad_q += _dot(grad_scores.to(k.dtype), k, IEEE, UPCAST)
         if HAS_GATES:
