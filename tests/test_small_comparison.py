@@ -149,7 +149,9 @@ def test_a_killed_comparison_goes_on_where_it_stopped(comparison, wikitext_head,
             n: 6 for n in LENGTHS}
     more_updates = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--updates", "4"))
     assert more_updates.stdout.count("training ") == 4
-    assert json.loads((runs / "alibi-seed4" / "trained.json").read_text())["key"]["fairseq-train"][-1] == "4"
+    record = json.loads((runs / "alibi-seed4" / "trained.json").read_text())
+    assert record["key"]["fairseq-train"][-1] == "4"
+    assert record["losses"]["train"]["num_updates"] == 4 and 0 < record["losses"]["train"]["loss"] < 20
 
 
 def csv_rows(path):
@@ -304,3 +306,20 @@ def test_a_wrong_other_length_or_budget_is_refused_before_any_run(comparison, wi
         proc = run(tiny_comparison(wikitext_head, tmp_path, *options), check=False)
         assert proc.returncode == 2 and proc.stderr.strip() == f"small_comparison: error: {message}"
         assert not (tmp_path / "runs").exists()
+
+
+def test_the_last_losses_of_a_training_log():
+    from kerple_fairseq.experiments.small_comparison import last_losses
+    log = "\n".join([
+        "2026-11-29 06:57:27 | INFO | fairseq_cli.train | {'common': {'log_interval': 25}, 'criterion': 'loss'}",
+        "2026-11-29 06:57:28 | INFO | train_inner | epoch 001:     25 / 153 loss=10.873, ppl=1875.86, wps=29206.5, "
+        "num_updates=25, lr=0.0004",
+        "2026-11-29 06:57:29 | INFO | train_inner | epoch 001:     50 / 153 loss=9.5, ppl=724.08, num_updates=50",
+        "2026-11-29 06:57:30 | INFO | train | epoch 001 | loss 9.59 | ppl 770.6 | num_updates 153 | lr 0.002",
+        "2026-11-29 06:57:31 | INFO | valid | epoch 001 | valid on 'valid' subset | loss 8.125 | ppl 279.2 | "
+        "num_updates 153"])
+    assert last_losses(log) == {"train_inner": {"loss": 9.5, "num_updates": 50},
+                                "train": {"loss": 9.59, "num_updates": 153},
+                                "valid": {"loss": 8.125, "num_updates": 153}}
+    assert last_losses("no losses logged") == {}
+

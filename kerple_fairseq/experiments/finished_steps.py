@@ -66,9 +66,9 @@ class Step:
         """Remove the record (before the step runs again, so that a run cut short leaves none)."""
         self.record.unlink(missing_ok=True)
 
-    def complete(self, seconds: float) -> None:
-        """Record the step as finished (written whole or not at all)."""
+    def complete(self, seconds: float, **facts) -> None:
+        """Record the step as finished (written whole or not at all), with ``facts`` about it (JSON-serialisable)."""
         partial = self.record.with_name(self.record.name + ".partial")
-        partial.write_text(json.dumps({"key": self.key, "seconds": seconds, "finished": time.strftime("%Y-%m-%d %H:%M:%S")},
-                                      indent=1))
+        partial.write_text(json.dumps({"key": self.key, "seconds": seconds, "finished": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                       **facts}, indent=1))
         os.replace(partial, self.record)

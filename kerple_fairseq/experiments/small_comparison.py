@@ -10,6 +10,7 @@ another checkout."""
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -140,8 +141,24 @@ def train(args: argparse.Namespace, data_bin: Path, step: Step, name: str, seed:
         run([BIN / "fairseq-train", data_bin, "--user-dir", USER_DIR, *flags, "--save-dir", save_dir,
              "--tensorboard-logdir", tensorboard], log=save_dir / "train.log")
     seconds = time.time() - started
-    step.complete(seconds)
+    log = save_dir / "train.log"
+    step.complete(seconds, **({"losses": last_losses(log.read_text())} if log.is_file() else {}))
     return checkpoint, seconds
+
+
+#: fairseq-train's log lines of a loss (``--log-format simple``): ``| train_inner | epoch 001:  25 / 153 loss=9.87,
+#: ... num_updates=25``, the epoch's ``| train | epoch 001 | loss 9.59 | ... | num_updates 153`` and ``| valid |``
+LOSS_LINE = re.compile(r"\| (train_inner|train|valid) \| .*?\bloss[= ](?P<loss>[0-9.]+).*?\bnum_updates[= ](?P<updates>\d+)")
+
+
+def last_losses(log: str) -> Dict[str, Dict[str, float]]:
+    """The last loss fairseq-train logged (base 2, as it logs them) of each kind, ``train_inner`` (every
+    ``--log-interval`` updates), ``train`` (an epoch's) and ``valid``, with the update it was logged at: kept in
+    the run's record, so that the training's end stays known once its log is gone."""
+    found = {}
+    for match in LOSS_LINE.finditer(log):
+        found[match.group(1)] = {"loss": float(match.group("loss")), "num_updates": int(match.group("updates"))}
+    return found
 
 
 SPAN_LOSSES = "span-losses.npz"
