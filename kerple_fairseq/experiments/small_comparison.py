@@ -1,7 +1,7 @@
 """The small offline comparison of position encodings on CPU: small models trained alike but for their
 position encoding, evaluated under the early-token-cursed and last-token protocols at several lengths,
 tabulated, ranked on a leaderboard over seeds, and analysed by kerple-analyze (perplexity against
-length, paired-bootstrap intervals, kernel curves, effective lengths, position-wise perplexity,
+length, paired intervals, kernel curves, effective lengths, position-wise perplexity,
 receptive field, attention by distance). Every finished training and evaluation is recorded
 (:mod:`finished_steps`), so the same command after an interruption goes on where it stopped; a run's
 records, results and span losses (:mod:`~kerple_fairseq.evaluation.span_losses`) stand for it
@@ -363,8 +363,8 @@ def write_both_lengths(args: argparse.Namespace, board: leaderboard.Leaderboard,
             + ". Ranks are among these models, by the mean over each model's seeds at the longest length evaluated "
             "after each training; the change is from the training length to there. "
             "A pair swaps when its order at the longest length differs between the training lengths; each "
-            "length's paired-bootstrap comparison of the pair (the model behind at the shorter length minus the one "
-            "ahead, seed by seed over the seeds both have) resolves its order there or not."]
+            "length's paired comparison of the pair (the leaderboard's intervals; the model behind at the shorter "
+            "length minus the one ahead, seed by seed over the seeds both have) resolves its order there or not."]
     for protocol in view.protocols:
         found = two_lengths.counts(view, protocol)
         text += ["", f"## {protocol}", "",
