@@ -123,10 +123,7 @@ def compared(pairs: Sequence[Tuple[str, str, Sequence[int]]], protocol: str, len
     if not runs:
         return [Versus(model, reference, protocol, length, [], [], [], [], [], 0) for model, reference, _ in pairs]
     spans = [scores(name, seed)[protocol, length] for name, seed in runs]
-    for (name, seed), s in zip(runs[1:], spans[1:]):
-        if s.tokens != spans[0].tokens:
-            raise UsageError(f"{name} (seed {seed}) and {runs[0][0]} (seed {runs[0][1]}) scored different tokens "
-                             f"under {protocol} at length {length}; compare runs evaluated alike")
+    significance.check_same_tokens(protocol, length, [f"{name} (seed {seed})" for name, seed in runs], spans)
     column = {run: k for k, run in enumerate(runs)}
     counts = spans[0].count
     found = significance.paired_differences(

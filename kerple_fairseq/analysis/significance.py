@@ -30,7 +30,7 @@ from kerple_fairseq.evaluation.span_losses import SpanLosses
 
 MAX_DRAWS_AT_ONCE = 4_000_000  # unit indices drawn per chunk of samples (bounds memory)
 #: resamples of the boards' intervals: enough that no verdict on either committed board changes with the
-#: bootstrap's seed (tests/test_board_verdicts.py tries 20 seeds)
+#: bootstrap's seed (tests/test_committed_boards.py tries 20 seeds)
 BOARD_SAMPLES = 10_000
 
 
@@ -199,6 +199,14 @@ def compare(protocol: str, length: int, labels: Sequence[str], scored: Sequence[
                          replicate)
 
 
+def check_same_tokens(protocol: str, length: int, labels: Sequence[str], scored: Sequence[SpanLosses]) -> None:
+    """A :class:`UsageError` unless every one of ``scored`` scored the first one's tokens."""
+    for label, s in zip(labels[1:], scored[1:]):
+        if s.tokens != scored[0].tokens:
+            raise UsageError(f"{label} and {labels[0]} scored different tokens under {protocol} at length "
+                             f"{length}; compare files of the same split, protocol, length and --num-targets")
+
+
 def compare_spans(protocol: str, length: int, labels: Sequence[str], scored: Sequence[SpanLosses],
                   samples: int = 1000, seed: int = 1, confidence: float = 0.95, replicate: int = 1) -> Comparison:
     """:func:`compare` on each model's span losses, which must come from the same scored tokens."""
@@ -206,10 +214,7 @@ def compare_spans(protocol: str, length: int, labels: Sequence[str], scored: Seq
         raise UsageError("compare needs at least two models")
     if not 0 < confidence < 1:
         raise UsageError(f"the confidence level must be between 0 and 1, got {confidence}")
-    for label, s in zip(labels[1:], scored[1:]):
-        if s.tokens != scored[0].tokens:
-            raise UsageError(f"{label} and {labels[0]} scored different tokens under {protocol} at length "
-                             f"{length}; compare files of the same split, protocol, length and --num-targets")
+    check_same_tokens(protocol, length, labels, scored)
     counts = scored[0].count
     num_units = counts.size
     losses = np.stack([s.loss for s in scored])  # [models, units]
