@@ -11,7 +11,7 @@ are the core beside it, :mod:`kerple_core`, which a model of one's own can impor
 import os
 
 import kerple_core.kernels  # noqa: F401  (the kernels' registry; fairseq imported quietly by the core)
-from kerple_fairseq import models  # noqa: F401  (registration)
+from kerple_fairseq import models, tasks  # noqa: F401  (registration)
 from kerple_fairseq.errors import KernelConfigError
 from kerple_fairseq.fairseq_changes import apply_all
 

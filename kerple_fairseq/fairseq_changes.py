@@ -30,6 +30,7 @@ from kerple_fairseq.evaluation.checkpoint_file import (allow_checkpoint_globals,
                                                        missing_checkpoint_report, refused_checkpoint_report)
 from kerple_fairseq.evaluation.loading import missing_data_report
 from kerple_fairseq.models.transformer_lm_kerple import task_hint
+from kerple_fairseq.tasks.retrieval import install_answer_scoring
 from kerple_fairseq.training.adaptive_loss import install_float32_adaptive_loss
 from kerple_fairseq.training.batch_prefetch import install_prefetch_stopped_at_exit
 from kerple_fairseq.training.distributed import install_distributed, lost_peer_report
@@ -183,6 +184,10 @@ CHANGES = (
            "mid-epoch (--max-update) exited, and Python 3.11's end of such a thread aborted the process "
            "(SIGABRT) after it had trained and saved: it now ends at its next batch before the interpreter "
            "exits"),
+    Change(install_answer_scoring,
+           "fairseq-eval-lm's SequenceScorer scores a target's first n positions, n its tokens that are not "
+           "padding: the retrieval task's MQAR answers, separated by padding, were scored at the wrong positions "
+           "(tasks/retrieval.py); every other batch is scored as before"),
 )
 
 

@@ -34,8 +34,8 @@ FLOORS = [
     (CORE,),  # the core's __init__: fairseq imported quietly
     # the plugin: what fairseq loads for a run
     (f"{PLUGIN}.errors",),  # error wording and one-line reports
-    (f"{PLUGIN}.models",),  # the fairseq model and its architectures: what chooses among kernels, layer biases,
-    #                         methods
+    (f"{PLUGIN}.models", f"{PLUGIN}.tasks"),  # the fairseq model and its architectures: what chooses among
+    #                                          kernels, layer biases, methods; the plugin's fairseq tasks
     (f"{PLUGIN}.training", f"{PLUGIN}.evaluation"),  # training across processes; evaluating a checkpoint
     (f"{PLUGIN}.analysis",),
     (f"{PLUGIN}.experiments",),

@@ -188,10 +188,11 @@ def extrapolation(series: List[Tuple[str, str, Sequence[int], Sequence[float], S
 
 def leaderboard(curves: List[Tuple[str, str, str, Sequence[int], Sequence[float], Sequence[float], Sequence[float]]],
                 families: Sequence[str], protocols: Sequence[str], train_length: int, reference: Optional[str],
-                path: str) -> None:
+                path: str, quantity: str = "validation perplexity", log_quantity: bool = True) -> None:
     """Perplexity against evaluation length (log axes), a row per protocol and a column per family
     (``curves``: label, family, protocol, lengths, mean perplexity over seeds, and its smallest and
-    largest seed, shaded); the ``reference`` model (ALiBi) is drawn in grey in every other family's
+    largest seed, shaded); or another ``quantity`` in their place (a retrieval task's accuracy, on a linear
+    axis unless ``log_quantity``); the ``reference`` model (ALiBi) is drawn in grey in every other family's
     panels; dotted: the training length."""
     plt = pyplot()
     fig, axes = plt.subplots(len(protocols), len(families), figsize=(3.6 * len(families), 3.2 * len(protocols)),
@@ -213,9 +214,10 @@ def leaderboard(curves: List[Tuple[str, str, str, Sequence[int], Sequence[float]
                 ax.fill_between(lengths, low, high, color=line.get_color(), alpha=0.2, lw=0)
             ax.axvline(train_length, color="grey", ls=":", lw=1)
             ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.yaxis.set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
-            ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.ScalarFormatter())
+            if log_quantity:
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+                ax.yaxis.set_minor_formatter(plt.matplotlib.ticker.ScalarFormatter())
             all_lengths = sorted({n for _, _, _, lengths, *_ in curves for n in lengths})
             ax.set_xticks(all_lengths)
             ax.set_xticklabels([str(n) for n in all_lengths], rotation=45 if len(all_lengths) > 4 else 0)
@@ -223,7 +225,7 @@ def leaderboard(curves: List[Tuple[str, str, str, Sequence[int], Sequence[float]
             ax.set_title(f"{family}\n{protocol}", fontsize=9)
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7 if drawn <= 8 else 5.5, ncol=1 if drawn <= 8 else 2)
-        row[0].set_ylabel("validation perplexity")
+        row[0].set_ylabel(quantity)
     for ax in axes[-1]:
         ax.set_xlabel("evaluation length L")
     seeds = ("Mean over seeds; shaded: the smallest to the largest seed" if any(list(low) != list(high) for

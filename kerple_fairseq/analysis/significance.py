@@ -20,7 +20,7 @@ difference to the first model. The bootstrap interval of one run measures the ev
 import functools
 import math
 from dataclasses import dataclass
-from typing import Dict, List, NamedTuple, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 import numpy as np
 
@@ -46,13 +46,19 @@ def resample_weights(num_units: int, samples: int, seed: int):
         yield np.bincount(draws.ravel(), minlength=rows * num_units).reshape(rows, num_units)
 
 
-def bootstrap_perplexities(losses: np.ndarray, counts: np.ndarray, samples: int, seed: int) -> np.ndarray:
+def identity(x):
+    return x
+
+
+def bootstrap_perplexities(losses: np.ndarray, counts: np.ndarray, samples: int, seed: int,
+                           transform: Callable = np.exp) -> np.ndarray:
     """``[samples, models]`` perplexities of ``losses`` (``[models, units]`` summed losses, ``counts``
-    tokens per unit) on ``samples`` paired resamples of the units."""
+    tokens per unit) on ``samples`` paired resamples of the units; with another ``transform`` of the
+    mean per token (:func:`identity`: summed correct answers give accuracies), that."""
     out = []
     for weights in resample_weights(counts.size, samples, seed):
         weights = weights.astype(np.float64)
-        out.append(np.exp(weights @ losses.T / (weights @ counts)[:, None]))
+        out.append(transform(weights @ losses.T / (weights @ counts)[:, None]))
     return np.concatenate(out)
 
 
@@ -77,7 +83,8 @@ def student_t_quantile(probability: float, df: int) -> float:
     return (low + high) / 2
 
 
-def jackknife_t_interval(losses: np.ndarray, counts: np.ndarray, confidence: float) -> List[float]:
+def jackknife_t_interval(losses: np.ndarray, counts: np.ndarray, confidence: float,
+                         transform: Callable = np.exp) -> List[float]:
     """The t-interval over units of the perplexity difference ``model - reference`` (``losses``: ``[2, units]``,
     the reference's first): the difference plus or minus Student's t quantile with ``units - 1`` degrees of
     freedom times the difference's delete-one jackknife standard error (Efron and Tibshirani, "An Introduction
@@ -87,10 +94,10 @@ def jackknife_t_interval(losses: np.ndarray, counts: np.ndarray, confidence: flo
     if num_units < 2:
         return [math.nan, math.nan]
     totals, tokens = losses.sum(axis=1), counts.sum()
-    left_out = np.exp((totals[:, None] - losses) / (tokens - counts))  # [2, units]: each unit left out
+    left_out = transform((totals[:, None] - losses) / (tokens - counts))  # [2, units]: each unit left out
     differences = left_out[1] - left_out[0]
     error = math.sqrt((num_units - 1) / num_units * ((differences - differences.mean()) ** 2).sum())
-    difference = math.exp(totals[1] / tokens) - math.exp(totals[0] / tokens)
+    difference = float(transform(totals[1] / tokens) - transform(totals[0] / tokens))
     half = student_t_quantile((1 + confidence) / 2, num_units - 1) * error
     return [difference - half, difference + half]
 
@@ -111,12 +118,12 @@ class PairedDifference(NamedTuple):
 
 
 def paired_differences(losses: np.ndarray, counts: np.ndarray, pairs: Sequence[Tuple[int, int]], samples: int,
-                       seed: int, confidence: float) -> List[PairedDifference]:
+                       seed: int, confidence: float, transform: Callable = np.exp) -> List[PairedDifference]:
     """Each ``(reference, model)`` pair of rows of ``losses`` (``[runs, units]``, every run scored on the same
-    units) over one paired bootstrap of every run. A percentile endpoint of ``samples`` resamples is an order
+    units) over one paired bootstrap of every run (``transform``: see :func:`bootstrap_perplexities`). A percentile endpoint of ``samples`` resamples is an order
     statistic: its Monte-Carlo error spans :data:`MONTE_CARLO_Z` binomial standard errors of its rank."""
-    observed = np.exp(losses.sum(axis=1) / counts.sum())
-    boot = bootstrap_perplexities(losses, counts, samples, seed)
+    observed = transform(losses.sum(axis=1) / counts.sum())
+    boot = bootstrap_perplexities(losses, counts, samples, seed, transform)
     tail = (1 - confidence) / 2
     inward = MONTE_CARLO_Z * math.sqrt(tail * (1 - tail) / samples)
     quantiles = 100 * np.array([tail, 1 - tail, min(tail + inward, 0.5), max(1 - tail - inward, 0.5)])
@@ -124,7 +131,7 @@ def paired_differences(losses: np.ndarray, counts: np.ndarray, pairs: Sequence[T
     for reference, model in pairs:
         low, high, inner_low, inner_high = np.percentile(boot[:, model] - boot[:, reference], quantiles).tolist()
         out.append(PairedDifference(float(observed[model] - observed[reference]), [low, high], [inner_low, inner_high],
-                                    jackknife_t_interval(losses[[reference, model]], counts, confidence)))
+                                    jackknife_t_interval(losses[[reference, model]], counts, confidence, transform)))
     return out
 
 
@@ -218,8 +225,8 @@ def compare_spans(protocol: str, length: int, labels: Sequence[str], scored: Seq
     counts = scored[0].count
     num_units = counts.size
     losses = np.stack([s.loss for s in scored])  # [models, units]
-    observed = np.exp(losses.sum(axis=1) / counts.sum())
-    boot = bootstrap_perplexities(losses, counts, samples, seed)
+    observed = transform(losses.sum(axis=1) / counts.sum())
+    boot = bootstrap_perplexities(losses, counts, samples, seed, transform)
     tails = [100 * (1 - confidence) / 2, 100 * (1 + confidence) / 2]
     difference, ratio = boot[:, 1:] - boot[:, :1], boot[:, 1:] / boot[:, :1]
     observed_difference = observed[1:] - observed[0]

@@ -24,12 +24,14 @@ from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 from kerple_core.attention import flex
 from kerple_core.attention.rotary import ROTARY_SCALINGS
 from kerple_fairseq.errors import UsageError, first_line
+from kerple_fairseq.evaluation import retrieval_accuracy
 from kerple_fairseq.evaluation import spans as S
 from kerple_fairseq.evaluation.loading import (check_checkpoint, check_data_bin, length_limit, load_language_model,
                                                rotary_embedding, scale_rotary_for_length, token_stream)
 from kerple_fairseq.evaluation.per_token import TokenScores, stream_fingerprint
 from kerple_fairseq.evaluation.per_token import save as save_per_token
 from kerple_fairseq.evaluation.scorer import WindowScorer, loss_by_position
+from kerple_fairseq.tasks import retrieval
 
 PROG = "kerple-eval-lm"
 
@@ -72,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="scale a rotary model's rotation at every evaluated length L by s = L / its training "
                        "length (ntk, yarn), or each query's by the length it has reached (dynamic-ntk), "
                        "whatever it was trained with")
+    group.add_argument("--example-scores", metavar="FILE",
+                       help="with --task retrieval: write each example's answers and right answers for every "
+                       "task and length (.npz), for the retrieval board's paired bootstrap")
     return parser
 
 
@@ -103,7 +108,9 @@ def without_plugin_user_dir(argv: List[str]) -> List[str]:
 
 
 def load_model(cfg, attn_window=None):
-    check_data_bin(cfg.task.data)
+    data = getattr(cfg.task, "data", None)  # the retrieval task draws its examples, reading no data-bin
+    if data is not None:
+        check_data_bin(data)
     check_checkpoint(cfg.common_eval.path)
     try:
         overrides = ast.literal_eval(cfg.common_eval.model_overrides)
@@ -111,7 +118,7 @@ def load_model(cfg, attn_window=None):
             raise ValueError(f"got {type(overrides).__name__}")
     except (ValueError, SyntaxError) as e:
         raise UsageError(f"--model-overrides must be a Python dict literal: {first_line(e)}") from e
-    model, task, saved = load_language_model(cfg.common_eval.path, cfg.task.data, overrides,
+    model, task, saved = load_language_model(cfg.common_eval.path, data, overrides,
                                              tasks.setup_task(cfg.task), attn_window)
     return model, task, saved.task.tokens_per_sample
 
@@ -151,17 +158,30 @@ def check_arguments(args, cfg) -> None:
                         "--protocol early-token-cursed or all")
 
 
-def evaluate(args, cfg) -> int:
-    check_arguments(args, cfg)
-    model, task, train_length = load_model(cfg, args.attn_window)
-    use_cuda = torch.cuda.is_available() and not cfg.common.cpu
+def prepared(model, cfg):
+    """The model in evaluation mode, on the GPU unless ``--cpu``, in float16 with ``--fp16``; and its device."""
     if cfg.common.fp16:
         model.half()
-    if use_cuda:
+    if torch.cuda.is_available() and not cfg.common.cpu:
         model.cuda()
     model.prepare_for_inference_(cfg)
     model.eval()
-    device = next(model.parameters()).device
+    return model, next(model.parameters()).device
+
+
+def set_rotary_scaling(model, scaling, train_length: int) -> None:
+    if scaling:
+        if rotary_embedding(model) is None:
+            raise UsageError(f"--rotary-scaling {scaling} needs a model with rotary embeddings")
+        rotary_embedding(model).set_scaling(scaling, train_length)
+
+
+def evaluate(args, cfg) -> int:
+    if cfg.task._name == retrieval.NAME:
+        return evaluate_retrieval(args, cfg)
+    check_arguments(args, cfg)
+    model, task, train_length = load_model(cfg, args.attn_window)
+    model, device = prepared(model, cfg)
 
     stream = token_stream(task, cfg.task.data, cfg.dataset.gen_subset, cfg.dataset.dataset_impl)
     inputs = torch.cat([stream.new_tensor([task.source_dictionary.eos()]), stream[:-1]])
@@ -181,11 +201,7 @@ def evaluate(args, cfg) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from e
 
-    rotary = rotary_embedding(model)
-    if args.rotary_scaling:
-        if rotary is None:
-            raise UsageError(f"--rotary-scaling {args.rotary_scaling} needs a model with rotary embeddings")
-        rotary.set_scaling(args.rotary_scaling, train_length)
+    set_rotary_scaling(model, args.rotary_scaling, train_length)
     records, positions, failed, per_token = [], [], [], {}
     print(TABLE_HEADER, flush=True)  # the table is printed a row at a time, as each is computed
     for length in lengths:
@@ -225,6 +241,50 @@ def evaluate(args, cfg) -> int:
             writer.writerow(["length", "position", "loss", "count"])
             writer.writerows(positions)
     return 1 if failed else 0
+
+
+RETRIEVAL_HEADER = f"{'task':<10} {'length':>7} {'accuracy':>9} {'loss':>8} {'answers':>8}"
+
+
+def evaluate_retrieval(args, cfg) -> int:
+    """Accuracy and loss of the answers of every task of ``--retrieval-tasks`` at every length."""
+    for flag, given in (("--per-token", args.per_token), ("--position-wise", args.position_wise),
+                        ("--context-window", args.context_window)):
+        if given:
+            raise UsageError(f"{flag} is for language modelling on a data-bin; --task retrieval writes "
+                             "--example-scores")
+    if args.example_scores and not os.path.isdir(os.path.dirname(os.path.abspath(args.example_scores))):
+        raise UsageError(f"--example-scores {args.example_scores}: directory "
+                         f"{os.path.dirname(os.path.abspath(args.example_scores))} does not exist")
+    retrieval_accuracy.check_checkpoint_task(cfg.common_eval.path, cfg.task)
+    model, task, train_length = load_model(cfg, args.attn_window)
+    model, device = prepared(model, cfg)
+    set_rotary_scaling(model, args.rotary_scaling, train_length)
+    limit = length_limit(model)
+    lengths = args.lengths or [cfg.task.tokens_per_sample]
+    too_long = [n for n in lengths if limit is not None and n > limit]
+    if too_long:
+        raise UsageError(f"length {too_long[0]} exceeds the {limit} learned positional embeddings of the model")
+    records, scores = [], {}
+    print(RETRIEVAL_HEADER, flush=True)
+    for length in lengths:
+        scale_rotary_for_length(model, length, train_length)
+        for name in task.task_names:
+            if length < task.settings.shortest(name):
+                raise UsageError(f"length {length} is too short for {name}: it needs "
+                                 f"{task.settings.shortest(name)} or more with these settings")
+            found = retrieval_accuracy.score(model, task.examples(cfg.dataset.gen_subset, length, [name]), device,
+                                             cfg.dataset.max_tokens or 16384)
+            scores[name, length] = found.per_example()
+            records.append(retrieval_accuracy.summary(name, length, found, train_length))
+            r = records[-1]
+            print(f"{name:<10} {length:>7} {r['accuracy']:>9.4f} {r['loss']:>8.4f} {r['num_answers']:>8}", flush=True)
+    if args.results_json:
+        with open(args.results_json, "w") as f:
+            json.dump(records, f, indent=1)
+    if args.example_scores:
+        retrieval_accuracy.save(args.example_scores, task.description(cfg.dataset.gen_subset), scores)
+    return 0
 
 
 def cli_main(argv=None) -> None:

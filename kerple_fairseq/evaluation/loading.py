@@ -75,17 +75,18 @@ def check_checkpoint_state(path: str, state) -> None:
                          "checkpoint_*.pt file written by fairseq-train")
 
 
-def load_language_model(path: str, data: str, overrides: Optional[Dict] = None, task=None,
+def load_language_model(path: str, data: Optional[str], overrides: Optional[Dict] = None, task=None,
                         attn_window: Optional[int] = None):
     """``(model, task, cfg)`` from a fairseq checkpoint (``cfg``: its configuration), the
-    dictionary read from ``data``.
+    dictionary read from ``data`` (None: a task that reads no data-bin, given as ``task``).
 
     ``task``: an already set-up task (default: the checkpoint's, pointed at ``data``).
     ``attn_window``: restrict attention to the most recent keys, set on the built model
     (fairseq ignores overrides of options a checkpoint's config lacks).
     """
-    check_data_bin(data)
-    arg_overrides = {"data": data, **(overrides or {})}
+    if data is not None:
+        check_data_bin(data)
+    arg_overrides = {**({} if data is None else {"data": data}), **(overrides or {})}
     state = load_checkpoint_state(path, arg_overrides)
     try:
         models, cfg, task = checkpoint_utils.load_model_ensemble_and_task(

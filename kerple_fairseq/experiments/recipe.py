@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Sequence
 
 from kerple_fairseq.evaluation.checkpoint_file import data_only_environment
 from kerple_fairseq.experiments.language_models import model_size_flags
@@ -80,11 +80,14 @@ TINY = Preset(
 
 def cpu_training_flags(tokens_per_sample: int, max_tokens: int, lr: float, warmup_updates: int, seed: int,
                        log_format: str, log_interval: int, adam_betas: Optional[str] = None,
-                       clip_norm: Optional[float] = None) -> List[str]:
-    """fairseq-train flags (less the model's) of a small language-modelling run in one CPU process:
-    unbroken ``tokens_per_sample``-token samples, Adam, no validation, only the last checkpoint."""
-    flags = ["--task", "language_modeling", "--tokens-per-sample", str(tokens_per_sample),
-             "--sample-break-mode", "none", "--max-tokens", str(max_tokens), *adam_flags(lr, warmup_updates),
+                       clip_norm: Optional[float] = None, task: Sequence[str] = ("--task", "language_modeling"),
+                       sample_break_mode: Optional[str] = "none") -> List[str]:
+    """fairseq-train flags (less the model's) of a small run in one CPU process: the ``task``'s
+    ``tokens_per_sample``-token samples (by default language modelling of the unbroken token stream), Adam,
+    no validation, only the last checkpoint."""
+    flags = [*task, "--tokens-per-sample", str(tokens_per_sample),
+             *(() if sample_break_mode is None else ("--sample-break-mode", sample_break_mode)),
+             "--max-tokens", str(max_tokens), *adam_flags(lr, warmup_updates),
              "--cpu", "--seed", str(seed), "--log-format", log_format, "--log-interval", str(log_interval),
              "--num-workers", "0", "--disable-validation", "--no-epoch-checkpoints"]
     if adam_betas is not None:

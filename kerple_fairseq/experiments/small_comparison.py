@@ -117,9 +117,9 @@ def training(args: argparse.Namespace, data: str, name: str, seed: int) -> Step:
     return Step(save_dir / "trained.json", {"fairseq-train": flags, "data": data}, [save_dir / "checkpoint_last.pt"])
 
 
-def train(args: argparse.Namespace, data_bin: Path, step: Step, name: str, seed: int) -> Tuple[Path, float]:
+def train(args: argparse.Namespace, data_bin: Optional[Path], step: Step, name: str, seed: int) -> Tuple[Path, float]:
     """fairseq-train of model ``name`` with ``seed`` from scratch, the :func:`training` ``step``, on
-    ``data_bin``; its last checkpoint and the seconds spent now. A run finished before with the same
+    ``data_bin`` (None: a task that draws its data); its last checkpoint and the seconds spent now. A run finished before with the same
     options is kept; one cut short is started again. A model trained as another finished run in
     ``--out`` was (same options and seed) gets a copy of that one's checkpoint."""
     save_dir, checkpoint = step.record.parent, step.outputs[0]
@@ -138,7 +138,7 @@ def train(args: argparse.Namespace, data_bin: Path, step: Step, name: str, seed:
         shutil.copyfile(same, checkpoint)
     else:
         stage(f"training {name} ({' '.join(POSITION_ENCODINGS[name].model_flags())}), seed {seed}, {args.updates} updates")
-        run([BIN / "fairseq-train", data_bin, "--user-dir", USER_DIR, *flags, "--save-dir", save_dir,
+        run([BIN / "fairseq-train", *([] if data_bin is None else [data_bin]), "--user-dir", USER_DIR, *flags, "--save-dir", save_dir,
              "--tensorboard-logdir", tensorboard], log=save_dir / "train.log")
     seconds = time.time() - started
     log = save_dir / "train.log"

@@ -1,0 +1,131 @@
+"""Accuracy on the retrieval tasks (:mod:`kerple_fairseq.tasks.retrieval`): each answer is right when the
+model's most probable next token is it. ``kerple-eval-lm --task retrieval`` reports it for every task and
+length, overall and by depth (how far back the answer's source lies), and the answers' log-probabilities,
+whose mean is the loss fairseq's ``cross_entropy`` and ``fairseq-eval-lm`` give on the same examples.
+
+An example-scores file (``--example-scores``, ``.npz`` read with ``allow_pickle=False``) holds for each task
+and length each example's answers and how many of them were right (a few kilobytes: what the retrieval
+board's paired bootstrap over the examples needs), and in ``meta`` (JSON) what drew the examples, so that
+only scores of the same examples are ever paired."""
+
+import json
+import math
+from typing import Dict, List, NamedTuple, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from kerple_fairseq.errors import UsageError
+from kerple_fairseq.evaluation.loading import load_checkpoint_state
+from kerple_fairseq.tasks.retrieval import DICTIONARY_OPTIONS, NAME
+
+FORMAT = "kerple-example-scores-1"
+
+
+class Answers(NamedTuple):
+    """Every answer of one task at one length, in the examples' order."""
+
+    example: np.ndarray  # int64: the example it belongs to
+    depth: np.ndarray  # int64: its position minus its source's
+    correct: np.ndarray  # bool: the model's most probable token is the answer
+    log_prob: np.ndarray  # float64: the natural log of the answer's probability
+
+    @classmethod
+    def concatenate(cls, parts: Sequence["Answers"]) -> "Answers":
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls._fields))
+
+    def per_example(self) -> "ExampleScores":
+        examples, where = np.unique(self.example, return_inverse=True)
+        return ExampleScores(np.bincount(where, weights=self.correct, minlength=examples.size).astype(np.int64),
+                             np.bincount(where, minlength=examples.size).astype(np.int64))
+
+
+class ExampleScores(NamedTuple):
+    """One task at one length, example by example, in the examples' order."""
+
+    correct: np.ndarray  # int64: its right answers
+    answers: np.ndarray  # int64: its answers
+
+
+@torch.no_grad()
+def score(model, dataset, device, max_tokens: int) -> Answers:
+    """The answers of every example of a :class:`~kerple_fairseq.tasks.retrieval.RetrievalDataset`, read by
+    ``model`` in batches of up to ``max_tokens`` input tokens."""
+    batch_size = max(1, max_tokens // dataset.length)
+    parts = []
+    for first in range(0, len(dataset), batch_size):
+        indices = range(first, min(first + batch_size, len(dataset)))
+        sample = dataset.collater([dataset[i] for i in indices])
+        source, target = sample["net_input"]["src_tokens"].to(device), sample["target"].to(device)
+        output = model(source)
+        log_probs = model.get_normalized_probs(output, log_probs=True, sample={"target": target}).float()
+        answers = target.ne(dataset.pad)
+        answer_log_probs = log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)[answers]
+        correct = log_probs.argmax(-1).eq(target)[answers]
+        examples = [dataset.example(i) for i in indices]
+        parts.append(Answers(
+            np.concatenate([np.full(len(e.answers), i) for i, e in zip(indices, examples)]),
+            np.concatenate([e.answers + 1 - e.sources for e in examples]),
+            correct.cpu().numpy(), answer_log_probs.double().cpu().numpy()))
+    return Answers.concatenate(parts)
+
+
+def check_checkpoint_task(path: str, task_cfg) -> None:
+    """One line unless the checkpoint at ``path`` was trained on the retrieval task with the dictionary
+    ``task_cfg`` builds."""
+    saved = load_checkpoint_state(path)["cfg"]["task"]
+    if saved.get("_name") != NAME:
+        raise UsageError(f"{path} was trained with --task {saved.get('_name')}, not {NAME}: evaluate it on its data-bin "
+                         "without --task retrieval")
+    differ = [option for option in DICTIONARY_OPTIONS if saved.get(option) != task_cfg.get(option)]
+    if differ:
+        flags = " ".join(f"--{o.replace('_', '-')} {saved.get(o)}" for o in DICTIONARY_OPTIONS)
+        raise UsageError(f"{path} was trained with other symbols ({', '.join(differ)}): give {flags}")
+
+
+def depth_bins(train_length: int, longest: int) -> List[Tuple[int, int]]:
+    """Depth ranges ``[lo, hi]``: up to the training length, then each doubling of it, to ``longest``."""
+    bins, lo, hi = [], 1, train_length
+    while lo <= longest:
+        bins.append((lo, hi))
+        lo, hi = hi + 1, 2 * hi
+    return bins
+
+
+def summary(task: str, length: int, answers: Answers, train_length: int) -> Dict:
+    """A results record: accuracy and base-2 loss of the answers, and the accuracy in each depth range."""
+    if answers.correct.size == 0:
+        raise UsageError(f"{task} at length {length} has no answers")
+    depths = []
+    for lo, hi in depth_bins(train_length, int(answers.depth.max())):
+        inside = (answers.depth >= lo) & (answers.depth <= hi)
+        if inside.any():
+            depths.append({"from": lo, "to": hi, "accuracy": float(answers.correct[inside].mean()),
+                           "num_answers": int(inside.sum())})
+    return {"task": task, "length": length, "accuracy": float(answers.correct.mean()),
+            "loss": float(-answers.log_prob.mean() / math.log(2)), "num_answers": int(answers.correct.size),
+            "num_examples": int(np.unique(answers.example).size), "train_length": train_length, "depths": depths}
+
+
+def save(path: str, meta: Dict, scores: Dict[Tuple[str, int], ExampleScores]) -> None:
+    arrays = {f"{task}/{length}/{field}": getattr(s, field).astype(np.int32)
+              for (task, length), s in scores.items() for field in ExampleScores._fields}
+    with open(path, "wb") as f:
+        np.savez_compressed(f, meta=np.array(json.dumps({"format": FORMAT, **meta})), **arrays)
+
+
+def load(path: str) -> Tuple[Dict, Dict[Tuple[str, int], ExampleScores]]:
+    """What drew the examples, and every task's and length's example scores, of an example-scores file."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            meta = json.loads(str(data["meta"]))
+            if meta.get("format") != FORMAT:
+                raise ValueError(f"not a {FORMAT} file")
+            keys = {tuple(name.split("/")[:2]) for name in data.files if name != "meta"}
+            scores = {(task, int(length)): ExampleScores(*(data[f"{task}/{length}/{field}"].astype(np.int64)
+                                                           for field in ExampleScores._fields))
+                      for task, length in keys}
+    except (OSError, ValueError, KeyError) as e:
+        raise UsageError(f"{path} is not a readable example-scores file of kerple-eval-lm --task retrieval "
+                         f"({e})") from None
+    return meta, scores

@@ -1,0 +1,190 @@
+"""The retrieval comparison on CPU: the perplexity board's position encodings, trained alike on the retrieval
+tasks (:mod:`kerple_fairseq.tasks.retrieval`) at one length, their answers' accuracy measured from 1x to 32x
+that length by ``kerple-eval-lm --task retrieval``, and the retrieval board
+(:mod:`~kerple_fairseq.analysis.retrieval_board`) written in ``--out``. Every training and evaluation is
+recorded (:mod:`finished_steps`): the same command after an interruption goes on where it stopped, and a run
+kept with its records, results and example scores stands for itself without its checkpoint."""
+
+import argparse
+import csv
+import sys
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from kerple_fairseq.analysis import figures, retrieval_board
+from kerple_fairseq.analysis.output_files import write_csv, write_text
+from kerple_fairseq.evaluation import retrieval_accuracy
+from kerple_fairseq.experiments.comparison import EVALUATION_RECORD
+from kerple_fairseq.experiments.finished_steps import Step, file_digest
+from kerple_fairseq.experiments.language_models import model_size_flags
+from kerple_fairseq.experiments.paths import SCRIPTS
+from kerple_fairseq.experiments.position_encodings import FAMILIES, POSITION_ENCODINGS
+from kerple_fairseq.experiments.recipe import cpu_training_flags
+from kerple_fairseq.experiments.run_cost import estimate, model_costs, recorded_seconds
+from kerple_fairseq.experiments.small_comparison import duration, hours, run, run_dir, stage, train
+from kerple_fairseq.tasks.retrieval_sequences import TASKS
+
+Run = Tuple[str, int]
+RESULTS, SCORES = "eval.json", "example-scores.npz"  # beside each run's records: what stands for it without its checkpoint
+BOARD = "retrieval-board"
+
+
+#: the examples' settings, given in full so that the runs' records name them
+SEQUENCES = ("--retrieval-seed", "1", "--retrieval-vocabulary", "64", "--filler-vocabulary", "16", "--mqar-pairs", "8",
+             "--mqar-queries", "4", "--passkey-digits", "5")
+
+
+def task_flags(args: argparse.Namespace) -> List[str]:
+    return ["--task", "retrieval", "--retrieval-tasks", ",".join(args.tasks), *SEQUENCES]
+
+
+def training(args: argparse.Namespace, name: str, seed: int) -> Step:
+    """The training of model ``name`` with ``seed``: the perplexity board's model and optimiser, on the tasks."""
+    save_dir = run_dir(args, name, seed)
+    flags = [str(f) for f in [
+        *POSITION_ENCODINGS[name].model_flags(), "--kernel-parameterization", args.kernel_parameterization,
+        *model_size_flags(args.layers, args.width, args.heads, dropout=0.1),
+        *cpu_training_flags(args.train_length, args.max_tokens, lr=0.002, warmup_updates=20, seed=seed,
+                            log_format="simple", log_interval=250, adam_betas="(0.9, 0.98)", clip_norm=1.0,
+                            task=[*task_flags(args), "--train-examples", args.updates * args.max_tokens // args.train_length],
+                            sample_break_mode=None),
+        "--max-update", args.updates]]
+    return Step(save_dir / "trained.json", {"fairseq-train": flags}, [save_dir / "checkpoint_last.pt"])
+
+
+def evaluation(args: argparse.Namespace, name: str, seed: int, checkpoint: Path) -> Tuple[Step, List]:
+    """The evaluation of ``checkpoint``: its step (paths named within the run's directory) and its options."""
+    directory = checkpoint.parent
+    options = [*task_flags(args), "--valid-examples", args.examples, "--path", checkpoint, "--gen-subset", "valid",
+               "--lengths", *args.eval_lengths, "--max-tokens", 16384, "--cpu", "--no-progress-bar",
+               "--results-json", directory / RESULTS, "--example-scores", directory / SCORES,
+               *POSITION_ENCODINGS[name].eval_flags]
+    portable = [o.name if isinstance(o, Path) and o.parent == directory else str(o) for o in options]
+    step = Step(directory / EVALUATION_RECORD,
+                {"kerple-eval-lm": portable, "checkpoint": file_digest(checkpoint) if checkpoint.is_file() else None},
+                [directory / RESULTS, directory / SCORES])
+    return step, options
+
+
+def kept(args: argparse.Namespace, name: str, seed: int) -> bool:
+    """Whether the run is finished and kept without its checkpoint (committed, or copied from another machine)."""
+    step = training(args, name, seed)
+    if step.outputs[0].is_file() or Step(step.record, step.key, []).finished() is None:
+        return False
+    return evaluation(args, name, seed, step.outputs[0])[0].finished(unchecked=("checkpoint",)) is not None
+
+
+def train_and_evaluate(args: argparse.Namespace, name: str, seed: int) -> float:
+    """The run of ``name`` with ``seed``, each step skipped where it finished before; the seconds spent now."""
+    if kept(args, name, seed):
+        stage(f"{name}-seed{seed} is kept without its checkpoint, trained and evaluated so")
+        return 0.0
+    checkpoint, seconds = train(args, None, training(args, name, seed), name, seed)
+    step, options = evaluation(args, name, seed, checkpoint)
+    if step.finished() is not None:
+        stage(f"{name}-seed{seed} is evaluated so already")
+        return seconds
+    stage(f"evaluating {name}-seed{seed}: {', '.join(args.tasks)} at lengths {', '.join(map(str, args.eval_lengths))}")
+    step.forget()
+    started = time.time()
+    run([sys.executable, SCRIPTS / "eval_lm.py", *options],
+        show=lambda line: line.split(" ", 1)[0] in TASKS)
+    step.complete(time.time() - started)
+    return seconds + time.time() - started
+
+
+def say_cost(args: argparse.Namespace, runs: Sequence[Run]) -> None:
+    """The time the unfinished runs need: each model's own runs here where it has some, otherwise the first
+    finished model's, scaled by each model's cost relative to it on the perplexity board."""
+    here = {name: s for name, s in model_costs(args.out).items() if name in args.models}
+    finished = [r for r in runs if recorded_seconds(run_dir(args, *r)) is not None]
+    left = [r for r in runs if r not in finished]
+    if not here:
+        stage(f"{len(runs)} runs to make; the cost of them all is said once the first is made")
+        return
+    measured = next(name for name, _ in runs if name in here)
+    cost = estimate(left, measured, here, model_costs(args.perplexity_board) if args.perplexity_board else {})
+    stage(f"cost: {len(finished)} of {len(runs)} runs are finished ({duration(sum(sum(recorded_seconds(run_dir(args, *r))) for r in finished))}); "
+          f"the other {len(left)} need about {hours(sum(cost.values()))} on this machine")
+
+
+def perplexity_ranks(board_dir: Optional[Path]) -> Dict[str, int]:
+    """Each model's rank on a perplexity board (its ``leaderboard.csv``) at its longest length, early-token-cursed."""
+    path = board_dir / "leaderboard.csv" if board_dir else None
+    if path is None or not path.is_file():
+        return {}
+    with open(path, newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["protocol"] == "early-token-cursed"]
+    longest = max(int(r["length"]) for r in rows)
+    return {r["model"]: int(r["rank"]) for r in rows if int(r["length"]) == longest}
+
+
+def evaluated(args: argparse.Namespace, runs: Sequence[Run]) -> List[Run]:
+    return [r for r in runs if (run_dir(args, *r) / SCORES).is_file() and (run_dir(args, *r) / RESULTS).is_file()]
+
+
+def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
+    """The board of the evaluated ``runs`` in ``<out>/retrieval-board.{md,csv,png}``; its markdown."""
+    seeds: Dict[str, List[int]] = {}
+    for name, seed in evaluated(args, runs):
+        seeds.setdefault(name, []).append(seed)
+    entrants = [retrieval_board.Entrant(name, POSITION_ENCODINGS[name].label, POSITION_ENCODINGS[name].family, s)
+                for name, s in seeds.items()]
+
+    @lru_cache(maxsize=None)
+    def scores_of(name: str, seed: int):
+        return retrieval_accuracy.load(str(run_dir(args, name, seed) / SCORES))
+
+    board = retrieval_board.build(entrants, args.train_length, scores_of)
+    ppl_rank, labels = perplexity_ranks(args.perplexity_board), {e.name: e.label for e in entrants}
+    every = sorted({s for e in entrants for s in e.seeds})
+    seconds = sum(sum(recorded_seconds(run_dir(args, *r)) or (0, 0)) for r in evaluated(args, runs))
+    text = [f"# Retrieval board: {len(entrants)} position encodings, seed{'s' * (len(every) > 1)} "
+            f"{', '.join(map(str, every))}", "",
+            f"Accuracy (%) of the answers, mean ± sample standard deviation over the seeds, {args.examples} validation "
+            f"examples of each task at each length; trained at L={args.train_length} on {', '.join(args.tasks)} in turn "
+            f"for {args.updates} updates of {args.max_tokens} tokens; {args.layers} layers, width {args.width}, "
+            f"{args.heads} heads. Ranked by the mean accuracy beyond L={args.train_length}. ▲/▼: resolved above or "
+            "below ALiBi (every seed's difference of the same sign and its 95% interval excluding zero: at each end "
+            f"the more conservative of a paired bootstrap's over the examples, {retrieval_board.significance.BOARD_SAMPLES:,} "
+            "resamples moved inward by its Monte-Carlo error, and a t-interval over them). Perplexity rank: the model's "
+            f"rank at the longest length on {args.perplexity_board} (early-token-cursed; blank where it holds none). "
+            f"Training and evaluation took {duration(seconds)} in all on this machine."]
+    for task in board.tasks:
+        text += ["", f"## {task}", "", retrieval_board.markdown(board, task, ppl_rank)]
+    for task in board.tasks:
+        text += ["", f"## {task} at L={max(board.lengths)}, seed by seed", "",
+                 retrieval_board.seed_markdown(board, task, max(board.lengths), labels)]
+    markdown = "\n".join(text) + "\n"
+    write_text(str(args.out / f"{BOARD}.md"), markdown)
+    write_csv(str(args.out / f"{BOARD}.csv"), *retrieval_board.csv_rows(board))
+    curves = [(e.label, e.family, task, board.lengths, [board.mean(e.name, task, n) for n in board.lengths],
+               [min(board.accuracy[e.name, task, n]) for n in board.lengths],
+               [max(board.accuracy[e.name, task, n]) for n in board.lengths])
+              for e in entrants for task in board.tasks]
+    (args.out / f"{BOARD}.png").unlink(missing_ok=True)
+    try:
+        figures.leaderboard(curves, [f for f in FAMILIES if any(e.family == f for e in entrants)], board.tasks,
+                            args.train_length, POSITION_ENCODINGS["alibi"].label, str(args.out / f"{BOARD}.png"),
+                            quantity="accuracy", log_quantity=False)
+    except figures.PlotsUnavailable as e:
+        stage(str(e))
+    return markdown
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Every run of ``args.models`` by ``args.seeds`` (each model's first seed before any second), then the board."""
+    started = time.time()
+    runs = [(name, seed) for seed in args.seeds for name in args.models]
+    say_cost(args, runs)
+    for k, (name, seed) in enumerate(runs):
+        spent = train_and_evaluate(args, name, seed)
+        if spent and k + 1 < len(runs):
+            say_cost(args, runs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stage(f"the retrieval board: {args.out / BOARD}.md (.csv, .png)")
+    print(write_board(args, runs))
+    stage(f"done in {(time.time() - started) / 60:.1f} min; results in {args.out}")
+

@@ -1,0 +1,203 @@
+"""``--task retrieval``: language modelling of the retrieval tasks (:mod:`.retrieval_sequences`), their
+examples drawn from ``--retrieval-seed`` as they are read, no files. ``fairseq-train`` trains on the tasks
+of ``--retrieval-tasks`` in turn, ``--tokens-per-sample`` tokens each; every target but the answers is
+padding, so fairseq's ``cross_entropy`` criterion, its logged loss and ``fairseq-eval-lm``'s perplexity
+are those of the answers alone. ``kerple-eval-lm --task retrieval`` gives their accuracy by length and depth."""
+
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+import numpy as np
+import torch
+from fairseq.data import Dictionary, FairseqDataset
+from fairseq.dataclass import FairseqDataclass
+from fairseq.tasks import FairseqTask, register_task
+from omegaconf import II
+
+from kerple_fairseq.errors import UsageError
+from kerple_fairseq.tasks.retrieval_sequences import SPLITS, TASKS, Alphabet, Example, Settings, draw, generator
+
+NAME = "retrieval"
+#: the options that fix the dictionary: a model is evaluated with those it was trained with
+DICTIONARY_OPTIONS = ("retrieval_vocabulary", "filler_vocabulary")
+
+
+@dataclass
+class RetrievalConfig(FairseqDataclass):
+    retrieval_tasks: str = field(default=",".join(TASKS), metadata={
+        "help": f"the tasks, comma-separated, their examples in turn: {', '.join(TASKS)}"})
+    tokens_per_sample: int = field(default=64, metadata={"help": "the length of every example"})
+    retrieval_seed: int = field(default=1, metadata={"help": "the seed the examples are drawn from"})
+    train_examples: int = field(default=100_000, metadata={"help": "examples of an epoch (each epoch new ones)"})
+    valid_examples: int = field(default=300, metadata={"help": "examples of each task in valid and test"})
+    retrieval_vocabulary: int = field(default=Settings.vocabulary, metadata={
+        "help": "content symbols (even: MQAR's keys are the first half, its values the second; copy draws from all)"})
+    filler_vocabulary: int = field(default=Settings.filler, metadata={"help": "the noise's symbols"})
+    mqar_pairs: int = field(default=Settings.pairs, metadata={"help": "MQAR's key-value pairs"})
+    mqar_queries: int = field(default=Settings.queries, metadata={"help": "MQAR's queries, of distinct keys"})
+    passkey_digits: int = field(default=Settings.passkey_digits, metadata={"help": "the passkey's digits"})
+    passkey_depth: Optional[float] = field(default=None, metadata={
+        "help": "the share of the noise before the passkey, 0 (first) to 1 (last); default: drawn uniformly"})
+    # what fairseq's language models read from their task's configuration
+    add_bos_token: bool = False
+    max_target_positions: Optional[int] = II("task.tokens_per_sample")
+
+
+class RetrievalDataset(FairseqDataset):
+    """``size`` examples of ``tasks`` in turn, each drawn when read: a model's input, its targets with
+    padding wherever they are not an answer, and the answers' sources."""
+
+    def __init__(self, tasks: List[str], settings: Settings, alphabet: Alphabet, pad: int, seed: int, split: str,
+                 length: int, size: int):
+        self.tasks, self.settings, self.alphabet, self.pad = tasks, settings, alphabet, pad
+        self.seed, self.split, self.length, self.count, self.offset = seed, split, length, size, 0
+
+    def example(self, index: int) -> Example:
+        task = self.tasks[index % len(self.tasks)]
+        return draw(task, self.settings, self.alphabet, self.length,
+                    generator(self.seed, self.split, self.length, self.offset + index))
+
+    def __getitem__(self, index):
+        example = self.example(index)
+        target = np.full(self.length, self.pad, dtype=np.int64)
+        target[example.answers] = example.tokens[example.answers + 1]
+        return {"id": index, "source": torch.from_numpy(example.tokens[:-1].copy()),
+                "target": torch.from_numpy(target)}
+
+    def __len__(self):
+        return self.count
+
+    def num_tokens(self, index):
+        return self.length
+
+    def size(self, index):
+        return self.length
+
+    @property
+    def sizes(self):
+        return np.full(self.count, self.length, dtype=np.int64)
+
+    def collater(self, samples):
+        if not samples:
+            return {}
+        source = torch.stack([s["source"] for s in samples])
+        target = torch.stack([s["target"] for s in samples])
+        return {"id": torch.tensor([s["id"] for s in samples]), "nsentences": len(samples),
+                "ntokens": int(target.ne(self.pad).sum()),
+                "net_input": {"src_tokens": source, "src_lengths": torch.full((len(samples),), self.length)},
+                "target": target, "answers_only": True}
+
+    def ordered_indices(self):
+        return np.arange(self.count)
+
+    @property
+    def can_reuse_epoch_itr_across_epochs(self):
+        return self.split != "train"
+
+    def set_epoch(self, epoch):
+        if self.split == "train":  # each epoch new examples
+            self.offset = (epoch - 1) * self.count
+
+
+@register_task(NAME, dataclass=RetrievalConfig)
+class RetrievalTask(FairseqTask):
+    """The retrieval tasks as language modelling (see the module)."""
+
+    def __init__(self, cfg: RetrievalConfig):
+        super().__init__(cfg)
+        self.settings = settings_of(cfg)
+        self.task_names = task_names(cfg.retrieval_tasks)
+        self.dictionary = Dictionary()
+        for symbol in self.settings.symbols():
+            self.dictionary.add_symbol(symbol)
+        self.alphabet = Alphabet.of(self.settings, self.dictionary.nspecial)
+        too_short = [t for t in self.task_names if cfg.tokens_per_sample < self.settings.shortest(t)]
+        if too_short:
+            raise UsageError(f"--tokens-per-sample {cfg.tokens_per_sample} is too short for {too_short[0]}: it needs "
+                             f"{self.settings.shortest(too_short[0])} or more with these settings")
+        if min(cfg.train_examples, cfg.valid_examples) < 1:
+            raise UsageError("--train-examples and --valid-examples must be 1 or more")
+
+    @classmethod
+    def setup_task(cls, cfg: RetrievalConfig, **kwargs):
+        return cls(cfg)
+
+    def examples(self, split: str, length: Optional[int] = None, tasks: Optional[List[str]] = None) -> RetrievalDataset:
+        """The examples of ``split`` at ``length`` (default: ``--tokens-per-sample``) of ``tasks`` (default:
+        ``--retrieval-tasks``): ``--train-examples`` in all for train, ``--valid-examples`` of each task else."""
+        if split not in SPLITS:
+            raise UsageError(f"the retrieval task has the splits {', '.join(SPLITS)}, not {split!r}")
+        tasks = tasks or self.task_names
+        size = self.cfg.train_examples if split == "train" else self.cfg.valid_examples * len(tasks)
+        return RetrievalDataset(tasks, self.settings, self.alphabet, self.dictionary.pad(), self.cfg.retrieval_seed,
+                                split, length or self.cfg.tokens_per_sample, size)
+
+    def description(self, split: str) -> dict:
+        """What draws the examples of ``split``, whatever their length: answers of two evaluations pair only
+        where it is the same."""
+        return {"split": split, "seed": self.cfg.retrieval_seed, "examples": self.cfg.valid_examples,
+                "settings": asdict(self.settings)}
+
+    def load_dataset(self, split, epoch=1, combine=False, **kwargs):
+        self.datasets[split] = self.examples(split)
+        self.datasets[split].set_epoch(epoch)
+
+    def max_positions(self):
+        return self.cfg.tokens_per_sample
+
+    @property
+    def source_dictionary(self):
+        return self.dictionary
+
+    @property
+    def target_dictionary(self):
+        return self.dictionary
+
+
+def settings_of(cfg) -> Settings:
+    """The sequences' settings of a task configuration, checked (one line for the first problem)."""
+    settings = Settings(cfg.retrieval_vocabulary, cfg.filler_vocabulary, cfg.mqar_pairs, cfg.mqar_queries,
+                        cfg.passkey_digits, cfg.passkey_depth)
+    problems = settings.problems()
+    if problems:
+        raise UsageError(problems[0])
+    return settings
+
+
+def task_names(text: str) -> List[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TASKS]
+    if not names or unknown:
+        raise UsageError(f"--retrieval-tasks {text!r}: choose among {', '.join(TASKS)}, comma-separated")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--retrieval-tasks {text!r} names a task twice")
+    return names
+
+
+def install_answer_scoring() -> None:
+    """fairseq's ``SequenceScorer`` (``fairseq-eval-lm``'s) scores a target's first ``n`` positions, ``n`` its
+    tokens that are not padding: right for padding at the end, wrong for MQAR's answers, which padding
+    separates. A batch of the retrieval task (marked ``answers_only``) is scored whole and each row's
+    answers kept; any other batch is scored as fairseq scores it."""
+    from fairseq.sequence_scorer import SequenceScorer
+
+    stock = SequenceScorer.generate
+    if getattr(stock, "kerple_fairseq", False):
+        return
+
+    @torch.no_grad()
+    def generate(self, models, sample, **kwargs):
+        if not sample.get("answers_only"):
+            return stock(self, models, sample, **kwargs)
+        target = sample["target"]
+        answers = target.ne(self.pad)
+        # every position a target (the input's tokens, never padding, stand in for the others)
+        whole = dict(sample, target=torch.where(answers, target, sample["net_input"]["src_tokens"]))
+        hypos = stock(self, models, whole, **kwargs)
+        for (hypo,), row, kept in zip(hypos, target, answers):
+            scores = hypo["positional_scores"][kept]
+            hypo.update(tokens=row[kept], positional_scores=scores, score=scores.sum() / scores.numel())
+        return hypos
+
+    generate.kerple_fairseq = True
+    SequenceScorer.generate = generate

@@ -1,0 +1,139 @@
+"""The sequences of the retrieval tasks, each drawn from a seed alone, so that the same seed gives the same
+examples on any machine (NumPy's PCG64 seeded by a ``SeedSequence`` of integers).
+
+An example of length ``L`` is ``L + 1`` tokens: a model reads the first ``L`` and predicts the last ``L``.
+Only its answers are scored: each is a token the model can know only by finding where it appeared
+before, its *source*; an answer's *depth* is how far back that is (its position minus its source's).
+
+- **mqar**, multi-query associative recall (Arora et al. 2023, "Zoology", section 3.1): ``pairs`` distinct
+  keys each followed by a value, noise around them, then ``queries`` of those keys, each followed by its
+  value; the values are scored.
+- **passkey** (Mohtashami and Jaggi 2023, "Landmark attention", section 4.1; the test of YaRN and LongLoRA):
+  noise, a marker and ``passkey_digits`` random digits at a depth in it, and at the end the marker again;
+  the digits after it are scored.
+- **copy** (Jelassi et al. 2024, "Repeat after me", section 3): a random sequence filling half the
+  example, a separator and the sequence again, which is scored.
+
+Noise is drawn from a filler alphabet of its own, so it is never a key, a digit or a copied symbol.
+"""
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+
+TASKS = ("mqar", "passkey", "copy")
+SPLITS = ("train", "valid", "test")
+DIGITS = 10
+
+#: the symbols after fairseq's four special ones, in the dictionary's order: a marker opening each task's
+#: examples, the passkey's marker and the copy's separator; then the content, the digits and the filler
+MARKERS = tuple(f"<{task}>" for task in TASKS) + ("<passkey-marker>", "<copy-separator>")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the examples are drawn from; ``vocabulary`` and ``filler`` fix the dictionary, the rest may
+    change between training and evaluation."""
+
+    vocabulary: int = 64  # content symbols: MQAR's keys (the first half) and values (the second), copy's symbols
+    filler: int = 16  # the noise's symbols
+    pairs: int = 8  # MQAR's key-value pairs
+    queries: int = 4  # MQAR's queries, of distinct keys among them
+    passkey_digits: int = 5
+    passkey_depth: Optional[float] = None  # the share of the noise before the passkey; None: drawn uniformly
+
+    def problems(self) -> Sequence[str]:
+        """What is wrong with the settings, one sentence each (nothing when they hold)."""
+        found = []
+        if self.vocabulary < 2 or self.vocabulary % 2:
+            found.append(f"--retrieval-vocabulary must be even and 2 or more (half keys, half values), got {self.vocabulary}")
+        if self.filler < 1:
+            found.append(f"--filler-vocabulary must be 1 or more, got {self.filler}")
+        if not 1 <= self.pairs <= self.vocabulary // 2:
+            found.append(f"--mqar-pairs must be between 1 and half --retrieval-vocabulary ({self.vocabulary // 2}): "
+                         f"keys are distinct, got {self.pairs}")
+        if not 1 <= self.queries <= self.pairs:
+            found.append(f"--mqar-queries must be between 1 and --mqar-pairs ({self.pairs}), got {self.queries}")
+        if self.passkey_digits < 1:
+            found.append(f"--passkey-digits must be 1 or more, got {self.passkey_digits}")
+        if self.passkey_depth is not None and not 0.0 <= self.passkey_depth <= 1.0:
+            found.append(f"--passkey-depth must be between 0 (first) and 1 (last), got {self.passkey_depth}")
+        return found
+
+    def shortest(self, task: str) -> int:
+        """The shortest length an example of ``task`` fits in."""
+        return {"mqar": 2 * (self.pairs + self.queries), "passkey": 2 * (self.passkey_digits + 1),
+                "copy": 3}[task]
+
+    def symbols(self):
+        """The dictionary's symbols after fairseq's four special ones (:data:`MARKERS`, content, digits, filler)."""
+        return [*MARKERS, *(f"c{i}" for i in range(self.vocabulary)), *(f"d{i}" for i in range(DIGITS)),
+                *(f"f{i}" for i in range(self.filler))]
+
+
+class Example(NamedTuple):
+    tokens: np.ndarray  # L + 1 symbol indices (of :meth:`Settings.symbols`, offset by the dictionary)
+    answers: np.ndarray  # the positions of the scored targets: target t is tokens[t + 1], read after tokens[:t + 1]
+    sources: np.ndarray  # for each answer, the position in ``tokens`` of the token it repeats
+
+
+class Alphabet(NamedTuple):
+    """Where each kind of symbol starts in the dictionary."""
+
+    markers: int
+    content: int
+    digits: int
+    filler: int
+
+    @classmethod
+    def of(cls, settings: Settings, first: int) -> "Alphabet":
+        content = first + len(MARKERS)
+        digits = content + settings.vocabulary
+        return cls(first, content, digits, digits + DIGITS)
+
+
+def generator(seed: int, split: str, length: int, index: int) -> np.random.Generator:
+    """The random numbers of one example: the same for the same four numbers on any machine."""
+    return np.random.default_rng([seed, SPLITS.index(split), length, index])
+
+
+def draw(task: str, settings: Settings, alphabet: Alphabet, length: int, rng: np.random.Generator) -> Example:
+    """One example of ``task`` of ``length`` (at least ``settings.shortest(task)``)."""
+    tokens = np.empty(length + 1, dtype=np.int64)
+    tokens[0] = alphabet.markers + TASKS.index(task)
+    if task == "mqar":
+        pairs, queries = settings.pairs, settings.queries
+        noise = length - 2 * (pairs + queries)
+        before = int(rng.integers(0, noise + 1))
+        keys = alphabet.content + rng.choice(settings.vocabulary // 2, pairs, replace=False)
+        values = alphabet.content + settings.vocabulary // 2 + rng.integers(0, settings.vocabulary // 2, pairs)
+        start = 1 + before
+        tokens[1:start] = alphabet.filler + rng.integers(0, settings.filler, before)
+        tokens[start:start + 2 * pairs:2], tokens[start + 1:start + 2 * pairs:2] = keys, values
+        end = start + 2 * pairs + noise - before
+        tokens[start + 2 * pairs:end] = alphabet.filler + rng.integers(0, settings.filler, noise - before)
+        asked = rng.choice(pairs, queries, replace=False)
+        tokens[end::2], tokens[end + 1::2] = keys[asked], values[asked]
+        return Example(tokens, end + 2 * np.arange(queries), start + 2 * asked + 1)
+    if task == "passkey":
+        digits = settings.passkey_digits
+        noise = length - 2 * (digits + 1)
+        depth = rng.uniform() if settings.passkey_depth is None else settings.passkey_depth
+        before = int(round(depth * noise))
+        passkey = alphabet.digits + rng.integers(0, DIGITS, digits)
+        marker = alphabet.markers + len(TASKS)
+        tokens[1:-digits - 1] = alphabet.filler + rng.integers(0, settings.filler, length - digits - 1)
+        tokens[1 + before] = tokens[-digits - 1] = marker
+        tokens[2 + before:2 + before + digits] = tokens[-digits:] = passkey
+        return Example(tokens, np.arange(length - digits, length), 2 + before + np.arange(digits))
+    if task == "copy":
+        half = (length - 1) // 2
+        offset = length - 1 - 2 * half  # one filler token after the marker when the length is even
+        tokens[1:1 + offset] = alphabet.filler + rng.integers(0, settings.filler, offset)
+        sequence = alphabet.content + rng.integers(0, settings.vocabulary, half)
+        first = 1 + offset
+        tokens[first:first + half] = tokens[-half:] = sequence
+        tokens[first + half] = alphabet.markers + len(TASKS) + 1
+        return Example(tokens, np.arange(length - half, length), first + np.arange(half))
+    raise ValueError(f"unknown retrieval task {task!r}: choose among {', '.join(TASKS)}")

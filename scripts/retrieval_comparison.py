@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""The retrieval comparison on CPU: the position encodings trained alike on multi-query associative recall,
+passkey retrieval and copying, their answers' accuracy measured from 1x to 32x the training length, and the
+retrieval board (``retrieval-board.{md,csv,png}``) written in ``--out``.
+
+The examples are drawn from a seed: nothing is downloaded or preprocessed. Finished trainings and evaluations
+are recorded in their run's directory: run again, the same command goes on where it stopped, and it prints
+what the runs left will cost once one has been made.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's kerple_fairseq
+
+from kerple_core.kernels.constraints import PARAMETERIZATIONS  # noqa: E402
+from kerple_fairseq.errors import UsageError  # noqa: E402
+from kerple_fairseq.experiments.comparison import CommandFailed  # noqa: E402
+from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS  # noqa: E402
+from kerple_fairseq.experiments.retrieval_comparison import compare  # noqa: E402
+from kerple_fairseq.tasks.retrieval_sequences import TASKS  # noqa: E402
+
+
+PERPLEXITY_BOARD = REPO / "results" / "leaderboard"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "retrieval-comparison",
+                   help="checkpoints, logs, results and the board (default: runs/retrieval-comparison)")
+    p.add_argument("--models", nargs="+", choices=[*POSITION_ENCODINGS, "all"], default=["all"],
+                   help="the models, alike but for their position encoding (default: all, the perplexity board's); "
+                   "ALiBi among them is the reference of the paired comparisons")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="training seeds (default: 1 2 3)")
+    p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS), help="trained in turn, each evaluated")
+    p.add_argument("--train-length", type=int, default=64, help="tokens per training example (default: 64)")
+    p.add_argument("--eval-lengths", type=int, nargs="+",
+                   help="evaluation lengths (default: 1x, 2x, 4x ... 32x the training length)")
+    p.add_argument("--examples", type=int, default=200, help="validation examples of each task at each length")
+    p.add_argument("--updates", type=int, default=3000, help="training updates per model")
+    p.add_argument("--max-tokens", type=int, default=2048, help="tokens per update")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--width", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kernel-parameterization", choices=PARAMETERIZATIONS, default="clamp",
+                   help="how KERPLE-log's parameters stay positive (default: clamp, KERPLE's reference)")
+    p.add_argument("--perplexity-board", type=Path, default=PERPLEXITY_BOARD, metavar="DIR",
+                   help="a perplexity board's --out: each model's rank there is shown beside its accuracy, and its "
+                   "runs' relative costs scale the estimate (default: results/leaderboard)")
+    return p.parse_args(argv)
+
+
+def fail(message):
+    print(f"retrieval_comparison: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if "all" in args.models:
+        if args.models != ["all"]:
+            fail("--models all stands alone: it names every model")
+        args.models = list(POSITION_ENCODINGS)
+    for option, values in (("--models", args.models), ("--seeds", args.seeds), ("--tasks", args.tasks)):
+        if len(set(values)) != len(values):
+            fail(f"{option} names one twice")
+    if args.eval_lengths is None:
+        args.eval_lengths = [args.train_length * 2 ** k for k in range(6)]
+    if any(n <= 0 for n in [args.train_length, args.updates, args.examples, args.max_tokens, *args.eval_lengths]):
+        fail("--train-length, --eval-lengths, --examples, --updates and --max-tokens must be positive")
+    if args.max_tokens < args.train_length:
+        fail(f"--max-tokens {args.max_tokens} holds no example of --train-length {args.train_length}")
+    if not args.perplexity_board.is_dir():
+        if args.perplexity_board != PERPLEXITY_BOARD:
+            fail(f"--perplexity-board {args.perplexity_board} is not a directory: give a perplexity board's --out")
+        args.perplexity_board = None  # a checkout without the committed board
+    try:
+        compare(args)
+    except (CommandFailed, UsageError) as e:
+        fail(str(e))
+
+
+if __name__ == "__main__":
+    main()
