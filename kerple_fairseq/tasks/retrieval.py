@@ -24,6 +24,9 @@ DICTIONARY_OPTIONS = ("retrieval_vocabulary", "filler_vocabulary")
 
 @dataclass
 class RetrievalConfig(FairseqDataclass):
+    # fairseq's data-bin argument, which fairseq-eval-lm names in its log: optional here, and refused if given
+    data: Optional[str] = field(default=None, metadata={
+        "help": "none: the examples are drawn from --retrieval-seed", "argparse_const": ""})
     retrieval_tasks: str = field(default=",".join(TASKS), metadata={
         "help": f"the tasks, comma-separated, their examples in turn: {', '.join(TASKS)}"})
     tokens_per_sample: int = field(default=64, metadata={"help": "the length of every example"})
@@ -117,6 +120,9 @@ class RetrievalTask(FairseqTask):
                              f"{self.settings.shortest(too_short[0])} or more with these settings")
         if min(cfg.train_examples, cfg.valid_examples) < 1:
             raise UsageError("--train-examples and --valid-examples must be 1 or more")
+        if cfg.data:
+            raise UsageError(f"the retrieval task reads no data directory ({cfg.data} given): its examples are drawn "
+                             "from --retrieval-seed; leave the directory out")
 
     @classmethod
     def setup_task(cls, cfg: RetrievalConfig, **kwargs):
@@ -141,6 +147,21 @@ class RetrievalTask(FairseqTask):
     def load_dataset(self, split, epoch=1, combine=False, **kwargs):
         self.datasets[split] = self.examples(split)
         self.datasets[split].set_epoch(epoch)
+
+    def eval_lm_dataloader(self, dataset, max_tokens: Optional[int] = None, batch_size: Optional[int] = None,
+                           max_positions: Optional[int] = None, num_shards: int = 1, shard_id: int = 0,
+                           num_workers: int = 1, data_buffer_size: int = 10, context_window: int = 0):
+        """fairseq-eval-lm's batches: every example whole, in order (it asks language-modelling tasks alone)."""
+        if context_window > 0:
+            raise UsageError("--context-window scores a token stream; the retrieval task's examples stand alone: "
+                             "leave it at 0")
+        return self.get_batch_iterator(dataset=dataset, max_tokens=max_tokens, max_sentences=batch_size,
+                                       max_positions=max_positions, ignore_invalid_inputs=True, num_shards=num_shards,
+                                       shard_id=shard_id, num_workers=num_workers,
+                                       data_buffer_size=data_buffer_size).next_epoch_itr(shuffle=False)
+
+    def has_sharded_data(self, split):
+        return False
 
     def max_positions(self):
         return self.cfg.tokens_per_sample

@@ -1,0 +1,160 @@
+"""The retrieval tasks through the commands: fairseq-train --task retrieval, kerple-eval-lm --task retrieval
+against a brute-force scoring of the same examples, fairseq-eval-lm's loss of the answers equal to the
+plugin's (MQAR's answers, which padding separates, among them), one-line errors, and the retrieval
+comparison going on where it stopped and ranking runs kept without their checkpoints."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import BIN, REPO, run
+from kerple_fairseq.evaluation.loading import load_language_model
+from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS
+from kerple_fairseq.tasks.retrieval_sequences import TASKS
+from test_retrieval_tasks import expected_answers, retrieval_task
+
+USER_DIR = ["--user-dir", str(REPO / "kerple_fairseq")]
+LENGTH = 32
+TASK = ["--task", "retrieval", "--tokens-per-sample", str(LENGTH), "--valid-examples", "12"]
+TINY = ["--decoder-layers", "1", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+        "--decoder-attention-heads", "2"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """An ALiBi model trained for 30 updates on the three tasks (a few seconds)."""
+    save_dir = tmp_path_factory.mktemp("retrieval")
+    run([BIN / "fairseq-train", *USER_DIR, *TASK, "--arch", "transformer_lm_alibi", *TINY, "--max-tokens", "512",
+         "--optimizer", "adam", "--lr", "0.003", "--max-update", "30", "--cpu", "--seed", "2", "--num-workers", "0",
+         "--disable-validation", "--no-epoch-checkpoints", "--criterion", "cross_entropy", "--save-dir", save_dir,
+         "--train-examples", "2000"])
+    return save_dir / "checkpoint_last.pt"
+
+
+def kerple_eval(checkpoint, *flags, check=True):
+    return run([BIN / "python", REPO / "scripts" / "eval_lm.py", *TASK, "--path", checkpoint, "--cpu",
+                "--gen-subset", "valid", *map(str, flags)], check=check)
+
+
+def test_accuracy_equals_a_brute_force_scoring(checkpoint, tmp_path):
+    """kerple-eval-lm's accuracy and loss of each task at 1x and 2x, against each example scored alone by a
+    full forward at the positions the task's description gives."""
+    kerple_eval(checkpoint, "--lengths", LENGTH, 2 * LENGTH, "--results-json", tmp_path / "r.json",
+                "--example-scores", tmp_path / "s.npz", "--max-tokens", 100)
+    records = {(r["task"], r["length"]): r for r in json.loads((tmp_path / "r.json").read_text())}
+    model, *_ = load_language_model(str(checkpoint), None, task=retrieval_task(tokens_per_sample=LENGTH))
+    model.eval()
+    for name in TASKS:
+        for length in (LENGTH, 2 * LENGTH):
+            task = retrieval_task(retrieval_tasks=name, tokens_per_sample=length, valid_examples=12)
+            data = task.examples("valid")
+            right, log_probs = [], []
+            for i in range(len(data)):
+                tokens = data.example(i).tokens
+                with torch.no_grad():
+                    out = torch.log_softmax(model(torch.from_numpy(tokens[None, :-1]))[0][0].double(), -1)
+                for t, _ in expected_answers(task, tokens):
+                    right.append(int(out[t].argmax()) == tokens[t + 1])
+                    log_probs.append(float(out[t, tokens[t + 1]]))
+            r = records[name, length]
+            assert r["num_answers"] == len(right) and r["num_examples"] == 12
+            assert r["accuracy"] == pytest.approx(np.mean(right), abs=1e-12)
+            assert r["loss"] == pytest.approx(-np.mean(log_probs) / np.log(2), rel=1e-5)
+            assert sum(d["num_answers"] for d in r["depths"]) == len(right)
+
+
+def fairseq_eval_lm_loss(checkpoint, name, length):
+    proc = run([BIN / "fairseq-eval-lm", *USER_DIR, "--task", "retrieval", "--retrieval-tasks", name,
+                "--tokens-per-sample", length, "--valid-examples", "12", "--path", checkpoint, "--cpu",
+                "--gen-subset", "valid", "--max-tokens", 200])
+    return float(re.search(r"Loss \(base 2\): ([0-9.]+)", proc.stdout + proc.stderr).group(1))
+
+
+@pytest.mark.slow  # a fairseq-eval-lm process per task
+def test_fairseq_eval_lm_scores_the_answers_as_the_plugin_does(checkpoint, tmp_path):
+    kerple_eval(checkpoint, "--lengths", 2 * LENGTH, "--results-json", tmp_path / "r.json")
+    for r in json.loads((tmp_path / "r.json").read_text()):
+        assert fairseq_eval_lm_loss(checkpoint, r["task"], 2 * LENGTH) == pytest.approx(r["loss"], abs=1.5e-4)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lengths", "16"], "length 16 is too short for mqar: it needs 24 or more"),
+    (["--per-token", "x.npz"], "--per-token is for language modelling on a data-bin"),
+    (["--retrieval-vocabulary", "32"], "was trained with other symbols (retrieval_vocabulary): give "
+                                       "--retrieval-vocabulary 64 --filler-vocabulary 16"),
+    (["--gen-subset", "dev"], "the retrieval task has the splits train, valid, test, not 'dev'"),
+    (["--example-scores", "/no/such/dir/s.npz"], "directory /no/such/dir does not exist"),
+])
+def test_kerple_eval_lm_errors_are_one_line(checkpoint, flags, message):
+    proc = kerple_eval(checkpoint, *flags, check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_language_model_is_not_evaluated_as_retrieval():
+    proc = kerple_eval(REPO / "tests" / "data" / "saved-checkpoints" / "alibi.pt", check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "was trained with --task language_modeling, not retrieval" in proc.stderr
+
+
+@pytest.mark.slow  # a process per command
+@pytest.mark.parametrize("flags, message", [
+    (["--retrieval-tasks", "recall"], "--retrieval-tasks 'recall': choose among mqar, passkey, copy"),
+    (["--mqar-queries", "9"], "--mqar-queries must be between 1 and --mqar-pairs (8)"),
+    (["--passkey-depth", "2"], "--passkey-depth must be between 0 (first) and 1 (last)"),
+    (["--tokens-per-sample", "8"], "--tokens-per-sample 8 is too short for mqar"),
+])
+def test_fairseq_train_refuses_bad_options_in_one_line(tmp_path, flags, message):
+    save_dir = tmp_path / "save"
+    proc = run([BIN / "fairseq-train", *USER_DIR, *TASK, *flags, "--arch", "transformer_lm_alibi", *TINY,
+                "--max-tokens", "512", "--optimizer", "adam", "--lr", "0.003", "--max-update", "1", "--cpu",
+                "--save-dir", save_dir], check=False)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert message in proc.stderr and not save_dir.exists()
+
+
+# --- the comparison --------------------------------------------------------------------------------------
+
+def comparison(out, *more):
+    return run([BIN / "python", REPO / "scripts" / "retrieval_comparison.py", "--models", "alibi", "rotary",
+                "rotary_ntk", "--seeds", "1", "2", "--updates", "8", "--train-length", "24", "--eval-lengths", "24",
+                "48", "--examples", "10", "--layers", "1", "--width", "32", "--heads", "2", "--out", out, *more])
+
+
+@pytest.mark.slow  # four trainings and six evaluations
+def test_the_comparison_goes_on_where_it_stopped_and_keeps_runs_without_checkpoints(tmp_path):
+    out = tmp_path / "out"
+    first = comparison(out)
+    assert "cost:" in first.stdout and "retrieval board" in first.stdout.lower()
+    assert first.stdout.count("training ") == 4  # rotary+NTK is evaluated on rotary's checkpoint
+    board = (out / "retrieval-board.md").read_text()
+    for label in ("ALiBi", "rotary", "rotary+NTK"):
+        assert f"| {label} |" in board
+    again = comparison(out)
+    assert "training " not in again.stdout and "evaluating " not in again.stdout
+    assert (out / "retrieval-board.md").read_text() == board
+    for path in out.glob("*/checkpoint_last.pt"):
+        path.unlink()
+    kept = comparison(out)
+    assert kept.stdout.count("kept without its checkpoint") == 6
+    assert (out / "retrieval-board.md").read_text() == board
+    records = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/eval.json")}
+    assert records["rotary_ntk-seed1"] != records["rotary-seed1"]  # scaled at 2x
+
+
+def test_runs_differ_only_in_their_position_encoding():
+    import argparse
+
+    from kerple_fairseq.experiments.retrieval_comparison import training
+    args = argparse.Namespace(out=REPO / "runs" / "unused", tasks=list(TASKS), train_length=64, max_tokens=2048,
+                              updates=3000, layers=2, width=128, heads=4, kernel_parameterization="clamp")
+    rest = set()
+    for name, encoding in POSITION_ENCODINGS.items():
+        flags = training(args, name, 1).key["fairseq-train"]
+        model = encoding.model_flags()
+        assert flags[:len(model)] == model
+        rest.add(tuple(flags[len(model):]))
+    assert len(rest) == 1

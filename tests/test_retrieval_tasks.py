@@ -1,0 +1,311 @@
+"""The retrieval tasks in one process: the examples drawn from a seed alone and alike on any machine, their
+answers found again by rules written from the tasks' descriptions, only the answers scored (by fairseq's
+cross_entropy criterion and by the plugin's accuracy), a model that copies perfectly scoring 100% and one
+that reads only the current token scoring chance, and the board's statistics against brute force."""
+
+import hashlib
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from fairseq.criterions.cross_entropy import CrossEntropyCriterion
+
+from helpers import tiny_model
+from kerple_fairseq.analysis import retrieval_board, significance
+from kerple_fairseq.errors import UsageError
+from kerple_fairseq.evaluation import retrieval_accuracy
+from kerple_fairseq.evaluation.retrieval_accuracy import ExampleScores
+from kerple_fairseq.tasks.retrieval import NAME, RetrievalConfig, RetrievalTask
+from kerple_fairseq.tasks.retrieval_sequences import TASKS, Settings, generator
+
+
+def retrieval_task(**options):
+    return RetrievalTask(RetrievalConfig(**options))
+
+
+def symbols(task, prefix, count):
+    return {task.dictionary.index(f"{prefix}{i}") for i in range(count)}
+
+
+# --- the answers by rules of their own: what follows from each task's description ------------------------
+
+def expected_answers(task, tokens: np.ndarray):
+    """The scored targets (t: tokens[t + 1] read after tokens[:t + 1]) and the token each must be, found by
+    reading the example as the task's description says, and the position each repeats."""
+    d = task.dictionary
+    kind = d[int(tokens[0])].strip("<>")
+    if kind == "mqar":
+        keys = symbols(task, "c", task.settings.vocabulary // 2)
+        seen, found = {}, []
+        for t in range(1, len(tokens) - 1):
+            token = int(tokens[t])
+            if token in keys and token in seen:  # a key asked again: its value follows it the first time
+                found.append((t, seen[token] + 1))
+            elif token in keys:
+                seen[token] = t
+        return found
+    if kind == "passkey":
+        first, second = np.flatnonzero(tokens == d.index("<passkey-marker>"))
+        return [(second + k, first + 1 + k) for k in range(task.settings.passkey_digits)]
+    separator = int(np.flatnonzero(tokens == d.index("<copy-separator>"))[0])
+    content = symbols(task, "c", task.settings.vocabulary)
+    start = next(t for t in range(1, separator) if int(tokens[t]) in content)
+    return [(separator + k, start + k) for k in range(separator - start)]
+
+
+@pytest.mark.parametrize("name", TASKS)
+@pytest.mark.parametrize("length", [24, 25, 64, 301])
+def test_answers_are_what_the_task_describes(name, length):
+    task = retrieval_task(retrieval_tasks=name, tokens_per_sample=length, valid_examples=40)
+    data = task.examples("valid")
+    filler = symbols(task, "f", task.settings.filler)
+    for index in range(len(data)):
+        example = data.example(index)
+        tokens = example.tokens
+        assert tokens.shape == (length + 1,)
+        found = expected_answers(task, tokens)
+        assert example.answers.tolist() == [t for t, _ in found]
+        assert example.sources.tolist() == [s for _, s in found]
+        assert (tokens[example.answers + 1] == tokens[example.sources]).all()
+        assert all(int(tokens[t + 1]) not in filler for t in example.answers)
+        item = data[index]
+        assert torch.equal(item["source"], torch.from_numpy(tokens[:-1]))
+        scored = item["target"].ne(task.dictionary.pad())
+        assert scored.nonzero().squeeze(1).tolist() == example.answers.tolist()
+        assert torch.equal(item["target"][scored], torch.from_numpy(tokens[example.answers + 1]))
+        if name == "mqar":
+            keys = tokens[example.sources - 1]
+            assert len(set(keys.tolist())) == task.settings.queries
+
+
+def test_the_same_seed_gives_the_same_examples_on_any_machine():
+    """The first examples of every split and task, by their sha256: NumPy's PCG64 from a SeedSequence of
+    integers gives the same numbers on every platform, and so these digests."""
+    digest = hashlib.sha256()
+    for split in ("train", "valid", "test"):
+        for name in TASKS:
+            data = retrieval_task(retrieval_tasks=name, tokens_per_sample=40).examples(split)
+            for index in range(5):
+                digest.update(data.example(index).tokens.astype("<i8").tobytes())
+    assert digest.hexdigest() == EXAMPLES_DIGEST
+    again = retrieval_task(tokens_per_sample=40).examples("valid")
+    other_seed = retrieval_task(tokens_per_sample=40, retrieval_seed=2).examples("valid")
+    assert np.array_equal(again.example(7).tokens, again.example(7).tokens)
+    assert not np.array_equal(again.example(7).tokens, other_seed.example(7).tokens)
+    assert not np.array_equal(again.example(7).tokens, again.example(10).tokens)
+
+
+EXAMPLES_DIGEST = "2d84b1c42245ead89bce685765151186d6024237269d7b0037da4b5b6240e6d7"
+
+
+def test_passkey_depth_places_the_passkey():
+    for depth, where in ((0.0, 1), (1.0, 64 - 2 * 6 + 1)):
+        data = retrieval_task(retrieval_tasks="passkey", tokens_per_sample=64, passkey_depth=depth).examples("valid")
+        example = data.example(3)
+        assert example.sources[0] - 1 == where  # the marker's position
+    drawn = retrieval_task(retrieval_tasks="passkey", tokens_per_sample=256).examples("valid")
+    depths = [drawn.example(i).answers[0] + 1 - drawn.example(i).sources[0] for i in range(len(drawn))]
+    assert min(depths) < 80 and max(depths) > 180  # drawn over the whole example
+
+
+def test_training_examples_change_with_the_epoch():
+    data = retrieval_task(train_examples=10).examples("train")
+    first = data.example(2).tokens
+    data.set_epoch(2)
+    assert not np.array_equal(first, data.example(2).tokens)
+    data.set_epoch(1)
+    assert np.array_equal(first, data.example(2).tokens)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"retrieval_tasks": "mqar,recall"}, "choose among mqar, passkey, copy"),
+    ({"retrieval_tasks": "copy,copy"}, "names a task twice"),
+    ({"retrieval_vocabulary": 7}, "--retrieval-vocabulary must be even"),
+    ({"filler_vocabulary": 0}, "--filler-vocabulary must be 1 or more"),
+    ({"mqar_pairs": 40}, "--mqar-pairs must be between 1 and half"),
+    ({"mqar_queries": 9}, "--mqar-queries must be between 1 and --mqar-pairs (8)"),
+    ({"passkey_digits": 0}, "--passkey-digits must be 1 or more"),
+    ({"passkey_depth": 1.5}, "--passkey-depth must be between 0 (first) and 1 (last)"),
+    ({"tokens_per_sample": 20}, "--tokens-per-sample 20 is too short for mqar: it needs 24 or more"),
+    ({"valid_examples": 0}, "--valid-examples must be 1 or more"),
+])
+def test_bad_options_are_one_line_each(options, message):
+    with pytest.raises(UsageError) as e:
+        retrieval_task(**options)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_unknown_split_is_refused():
+    with pytest.raises(UsageError, match="splits train, valid, test, not 'dev'"):
+        retrieval_task().load_dataset("dev")
+
+
+# --- scoring the answers only ------------------------------------------------------------------------------
+
+class ByRule(torch.nn.Module):
+    """A model whose most probable next token at each position is ``predict(row)[t]``: a stand-in for a
+    trained model with known behaviour."""
+
+    def __init__(self, vocabulary: int, predict):
+        super().__init__()
+        self.vocabulary, self.predict = vocabulary, predict
+        self.anchor = torch.nn.Parameter(torch.zeros(()))  # a device to be on
+
+    def forward(self, source):
+        logits = torch.zeros(*source.shape, self.vocabulary)
+        for b, row in enumerate(source.numpy()):
+            logits[b, torch.arange(source.size(1)), torch.as_tensor(self.predict(row))] = 8.0
+        return logits, {}
+
+    def get_normalized_probs(self, output, log_probs, sample=None):
+        return F.log_softmax(output[0], dim=-1)
+
+
+def copying(task):
+    """Predicts every answer from where the task's description says it is (the rules above)."""
+    def predict(row):
+        out = np.full(len(row), task.dictionary.pad())
+        tokens = np.append(row, task.dictionary.pad())  # the last target is not in the input
+        for t, source in expected_answers(task, tokens):
+            out[t] = row[source]
+        return out
+    return predict
+
+
+def current_token_only(task):
+    """Predicts from the token it reads alone, always a symbol of the answer's kind: a key gives a value, the
+    passkey's marker or a digit gives a digit, anything else a content symbol. Since answers are drawn
+    uniformly and apart from the token before them, it is right by chance: 1/32, 1/10, 1/64."""
+    d, half = task.dictionary, task.settings.vocabulary // 2
+    table = {}
+    for i in range(task.settings.vocabulary):
+        table[d.index(f"c{i}")] = d.index(f"c{half + (7 * i) % half}") if i < half else d.index(f"c{(5 * i) % (2 * half)}")
+    for i in range(10):
+        table[d.index(f"d{i}")] = d.index(f"d{(3 * i + 1) % 10}")
+    table[d.index("<passkey-marker>")] = d.index("d4")
+
+    def predict(row):
+        return np.array([table.get(int(x), d.index("c0")) for x in row])
+    return predict
+
+
+@pytest.mark.parametrize("name, chance", [("mqar", 1 / 32), ("passkey", 1 / 10), ("copy", 1 / 64)])
+def test_a_perfect_copier_scores_everything_and_one_that_never_attends_scores_chance(name, chance):
+    task = retrieval_task(retrieval_tasks=name, tokens_per_sample=64, valid_examples=600)
+    data = task.examples("valid")
+    perfect = retrieval_accuracy.score(ByRule(len(task.dictionary), copying(task)), data, "cpu", 4096)
+    assert perfect.correct.all() and perfect.correct.size == sum(len(data.example(i).answers) for i in range(len(data)))
+    blind = retrieval_accuracy.score(ByRule(len(task.dictionary), current_token_only(task)), data, "cpu", 4096)
+    n = blind.correct.size
+    assert abs(blind.correct.mean() - chance) < 4 * math.sqrt(chance * (1 - chance) / n), (blind.correct.mean(), n)
+
+
+def test_cross_entropy_and_the_accuracy_read_the_answers_alone():
+    """fairseq's cross_entropy criterion on a batch equals minus the mean log-probability of its answers, as
+    retrieval_accuracy.score finds them; the accuracy is the argmax's, position by position."""
+    task = retrieval_task(tokens_per_sample=48, valid_examples=6)
+    model = tiny_model("alibi", task=task).eval()
+    data = task.examples("valid")
+    sample = data.collater([data[i] for i in range(len(data))])
+    criterion = CrossEntropyCriterion(task, sentence_avg=False)
+    with torch.no_grad():
+        loss, sample_size, _ = criterion(model, sample)
+        log_probs = F.log_softmax(model(sample["net_input"]["src_tokens"])[0].double(), -1)
+    found = retrieval_accuracy.score(model, data, "cpu", 10_000)
+    assert sample_size == sample["ntokens"] == found.correct.size
+    assert float(loss) / sample_size == pytest.approx(-found.log_prob.mean(), rel=1e-5)
+    rows, columns = [], []
+    for i in range(len(data)):
+        rows += [i] * len(data.example(i).answers)
+        columns += data.example(i).answers.tolist()
+    targets = sample["target"][rows, columns]
+    assert np.array_equal(found.correct, (log_probs[rows, columns].argmax(-1) == targets).numpy())
+    assert np.allclose(found.log_prob, log_probs[rows, columns, targets].numpy(), atol=1e-5)
+
+
+def test_depth_bins_and_summary():
+    assert retrieval_accuracy.depth_bins(64, 300) == [(1, 64), (65, 128), (129, 256), (257, 512)]
+    answers = retrieval_accuracy.Answers(np.array([0, 0, 1, 1]), np.array([10, 100, 64, 65]),
+                                         np.array([True, False, True, True]), np.log([0.5, 0.25, 1.0, 0.5]))
+    record = retrieval_accuracy.summary("mqar", 128, answers, 64)
+    assert record["accuracy"] == 0.75 and record["num_examples"] == 2
+    assert record["loss"] == pytest.approx((1 + 2 + 0 + 1) / 4)
+    assert record["depths"] == [{"from": 1, "to": 64, "accuracy": 1.0, "num_answers": 2},
+                                {"from": 65, "to": 128, "accuracy": 0.5, "num_answers": 2}]
+    per_example = answers.per_example()
+    assert per_example.correct.tolist() == [1, 2] and per_example.answers.tolist() == [2, 2]
+
+
+def test_example_scores_files_are_data(tmp_path):
+    scores = {("mqar", 64): ExampleScores(np.array([3, 4]), np.array([4, 4]))}
+    retrieval_accuracy.save(str(tmp_path / "s.npz"), {"seed": 1}, scores)
+    meta, read = retrieval_accuracy.load(str(tmp_path / "s.npz"))
+    assert meta["seed"] == 1 and np.array_equal(read["mqar", 64].correct, [3, 4])
+    np.savez(tmp_path / "other.npz", meta=np.array('{"format": "x"}'))
+    with pytest.raises(UsageError, match="not a readable example-scores file"):
+        retrieval_accuracy.load(str(tmp_path / "other.npz"))
+    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    (tmp_path / "objects.npz").write_bytes((tmp_path / "objects.npy").read_bytes())
+    with pytest.raises(UsageError):
+        retrieval_accuracy.load(str(tmp_path / "objects.npz"))
+
+
+# --- the board's statistics -------------------------------------------------------------------------------
+
+def test_accuracy_t_interval_is_the_delete_one_jackknife():
+    rng = np.random.default_rng(0)
+    counts = rng.integers(1, 6, 30).astype(float)
+    correct = np.stack([rng.binomial(counts.astype(int), p) for p in (0.4, 0.6)]).astype(float)
+    low, high = significance.jackknife_t_interval(correct, counts, 0.95, significance.identity)
+    left_out = [(correct[1].sum() - correct[1][k] - correct[0].sum() + correct[0][k]) / (counts.sum() - counts[k])
+                for k in range(30)]
+    error = math.sqrt(29 / 30 * sum((x - np.mean(left_out)) ** 2 for x in left_out))
+    difference = (correct[1].sum() - correct[0].sum()) / counts.sum()
+    t = significance.student_t_quantile(0.975, 29)
+    assert (low, high) == pytest.approx((difference - t * error, difference + t * error))
+    boot = significance.bootstrap_perplexities(correct, counts, 200, 3, significance.identity)
+    weights = np.concatenate(list(significance.resample_weights(30, 200, 3))).astype(float)
+    assert np.allclose(boot, weights @ correct.T / (weights @ counts)[:, None])
+
+
+def board_of(accuracies, examples=200, seeds=(1, 2)):
+    """A board from example scores made to give each model ``accuracies[name]`` (by seed) on every example
+    pattern: each example has 4 answers."""
+    rng = np.random.default_rng(5)
+
+    def scores_of(name, seed):
+        p = accuracies[name][seeds.index(seed)]
+        correct = rng.binomial(4, p, examples)
+        return {"seed": 1}, {("passkey", n): ExampleScores(correct, np.full(examples, 4)) for n in (64, 128)}
+
+    entrants = [retrieval_board.Entrant(name, name.upper(), "additive bias", list(seeds)) for name in accuracies]
+    return retrieval_board.build(entrants, 64, scores_of, samples=2000)
+
+
+def test_board_ranks_and_resolves():
+    board = board_of({"alibi": [0.5, 0.5], "nope": [0.9, 0.9], "t5": [0.5, 0.52], "fire": [0.2, 0.6]})
+    assert board.tasks == ["passkey"] and board.lengths == [64, 128] and board.beyond == [128]
+    ranks = board.ranks(lambda name: board.beyond_mean(name, "passkey"))
+    assert ranks["nope"] == 1 and ranks["alibi"] > 1
+    verdicts = {v.model: v.verdict for v in board.versus if v.length == 128}
+    assert verdicts["nope"] == retrieval_board.RESOLVED
+    assert verdicts["t5"] != retrieval_board.RESOLVED and verdicts["fire"] != retrieval_board.RESOLVED
+    table = retrieval_board.markdown(board, "passkey", {"nope": 25})
+    assert "| 1 | NOPE | additive bias |" in table and "▲" in table and "| 25 |" in table
+    header, rows = retrieval_board.csv_rows(board)
+    assert len(rows) == 4 * 2 and header[0] == "model"
+
+
+def test_board_refuses_scores_of_other_examples():
+    def scores_of(name, seed):
+        return {"seed": seed if name == "nope" else 1}, {("mqar", 64): ExampleScores(np.ones(3), np.ones(3))}
+
+    entrants = [retrieval_board.Entrant(n, n, "f", [1, 2]) for n in ("alibi", "nope")]
+    with pytest.raises(UsageError, match="answered different mqar examples at length 64"):
+        retrieval_board.build(entrants, 64, scores_of, samples=100)
+
+
+def test_task_name():
+    assert NAME == "retrieval" and Settings().problems() == [] and generator(1, "valid", 64, 0).integers(10) >= 0
