@@ -38,7 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--train-length", type=int, default=64, help="tokens per training example (default: 64)")
     p.add_argument("--eval-lengths", type=int, nargs="+",
                    help="evaluation lengths (default: 1x, 2x, 4x ... 32x the training length)")
-    p.add_argument("--examples", type=int, default=200, help="validation examples of each task at each length")
+    p.add_argument("--examples", type=int, default=100, help="validation examples of each task at each length "
+                   "(default: 100)")
     p.add_argument("--updates", type=int, default=3000, help="training updates per model")
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per update")
     p.add_argument("--layers", type=int, default=2)

@@ -97,7 +97,8 @@ def jackknife_t_interval(losses: np.ndarray, counts: np.ndarray, confidence: flo
     left_out = transform((totals[:, None] - losses) / (tokens - counts))  # [2, units]: each unit left out
     differences = left_out[1] - left_out[0]
     error = math.sqrt((num_units - 1) / num_units * ((differences - differences.mean()) ** 2).sum())
-    difference = float(transform(totals[1] / tokens) - transform(totals[0] / tokens))
+    at = math.exp if transform is np.exp else transform  # of one number, as the committed boards computed it
+    difference = at(totals[1] / tokens) - at(totals[0] / tokens)
     half = student_t_quantile((1 + confidence) / 2, num_units - 1) * error
     return [difference - half, difference + half]
 
@@ -225,8 +226,8 @@ def compare_spans(protocol: str, length: int, labels: Sequence[str], scored: Seq
     counts = scored[0].count
     num_units = counts.size
     losses = np.stack([s.loss for s in scored])  # [models, units]
-    observed = transform(losses.sum(axis=1) / counts.sum())
-    boot = bootstrap_perplexities(losses, counts, samples, seed, transform)
+    observed = np.exp(losses.sum(axis=1) / counts.sum())
+    boot = bootstrap_perplexities(losses, counts, samples, seed)
     tails = [100 * (1 - confidence) / 2, 100 * (1 + confidence) / 2]
     difference, ratio = boot[:, 1:] - boot[:, :1], boot[:, 1:] / boot[:, :1]
     observed_difference = observed[1:] - observed[0]
