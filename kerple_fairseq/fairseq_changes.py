@@ -186,7 +186,7 @@ CHANGES = (
            "exits"),
     Change(install_answer_scoring,
            "fairseq-eval-lm's SequenceScorer scores a target's first n positions, n its tokens that are not "
-           "padding: the retrieval task's MQAR answers, separated by padding, were scored at the wrong positions "
+           "padding: the retrieval task's answers, which come after padding, were scored at the wrong positions "
            "(tasks/retrieval.py); every other batch is scored as before"),
 )
 

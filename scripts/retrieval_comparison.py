@@ -19,7 +19,7 @@ from kerple_core.kernels.constraints import PARAMETERIZATIONS  # noqa: E402
 from kerple_fairseq.errors import UsageError  # noqa: E402
 from kerple_fairseq.experiments.comparison import CommandFailed  # noqa: E402
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS  # noqa: E402
-from kerple_fairseq.experiments.retrieval_comparison import compare  # noqa: E402
+from kerple_fairseq.experiments.retrieval_comparison import SETTINGS, compare  # noqa: E402
 from kerple_fairseq.tasks.retrieval_sequences import TASKS  # noqa: E402
 
 
@@ -71,6 +71,10 @@ def main(argv=None):
         args.eval_lengths = [args.train_length * 2 ** k for k in range(6)]
     if any(n <= 0 for n in [args.train_length, args.updates, args.examples, args.max_tokens, *args.eval_lengths]):
         fail("--train-length, --eval-lengths, --examples, --updates and --max-tokens must be positive")
+    shortest = max(SETTINGS.shortest(task) for task in args.tasks)
+    if min(args.train_length, *args.eval_lengths) < shortest:
+        fail(f"--train-length and --eval-lengths must be {shortest} or more: the longest of these tasks' examples needs "
+             "that many tokens")
     if args.max_tokens < args.train_length:
         fail(f"--max-tokens {args.max_tokens} holds no example of --train-length {args.train_length}")
     if not args.perplexity_board.is_dir():

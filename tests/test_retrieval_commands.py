@@ -87,6 +87,9 @@ def test_fairseq_eval_lm_scores_the_answers_as_the_plugin_does(checkpoint, tmp_p
                                        "--retrieval-vocabulary 64 --filler-vocabulary 16"),
     (["--gen-subset", "dev"], "the retrieval task has the splits train, valid, test, not 'dev'"),
     (["--example-scores", "/no/such/dir/s.npz"], "directory /no/such/dir does not exist"),
+    (["--results-json", "/no/such/dir/r.json"], "directory /no/such/dir does not exist"),
+    (["--gen-subset", "train"], "--gen-subset train: the training examples are drawn for the mixture of tasks"),
+    (["--lengths", "64", "16"], "length 16 is too short for mqar"),
 ])
 def test_kerple_eval_lm_errors_are_one_line(checkpoint, flags, message):
     proc = kerple_eval(checkpoint, *flags, check=False)

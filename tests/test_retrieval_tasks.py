@@ -90,11 +90,11 @@ def test_the_same_seed_gives_the_same_examples_on_any_machine():
             for index in range(5):
                 digest.update(data.example(index).tokens.astype("<i8").tobytes())
     assert digest.hexdigest() == EXAMPLES_DIGEST
-    again = retrieval_task(tokens_per_sample=40).examples("valid")
+    first, again = (retrieval_task(tokens_per_sample=40).examples("valid") for _ in range(2))
     other_seed = retrieval_task(tokens_per_sample=40, retrieval_seed=2).examples("valid")
-    assert np.array_equal(again.example(7).tokens, again.example(7).tokens)
-    assert not np.array_equal(again.example(7).tokens, other_seed.example(7).tokens)
-    assert not np.array_equal(again.example(7).tokens, again.example(10).tokens)
+    assert np.array_equal(first.example(7).tokens, again.example(7).tokens)
+    assert not np.array_equal(first.example(7).tokens, other_seed.example(7).tokens)
+    assert not np.array_equal(first.example(7).tokens, first.example(10).tokens)
 
 
 EXAMPLES_DIGEST = "2d84b1c42245ead89bce685765151186d6024237269d7b0037da4b5b6240e6d7"
@@ -110,13 +110,24 @@ def test_passkey_depth_places_the_passkey():
     assert min(depths) < 80 and max(depths) > 180  # drawn over the whole example
 
 
-def test_training_examples_change_with_the_epoch():
-    data = retrieval_task(train_examples=10).examples("train")
-    first = data.example(2).tokens
-    data.set_epoch(2)
-    assert not np.array_equal(first, data.example(2).tokens)
-    data.set_epoch(1)
-    assert np.array_equal(first, data.example(2).tokens)
+def batches(task, split, epoch):
+    iterator = task.get_batch_iterator(task.dataset(split), max_sentences=4, epoch=epoch)
+    return iterator, [b["net_input"]["src_tokens"] for b in iterator.next_epoch_itr(shuffle=False)]
+
+
+def test_training_examples_change_with_the_epoch_and_validation_examples_do_not():
+    """Through fairseq's batch iterator, as fairseq-train reads them."""
+    task = retrieval_task(train_examples=12, valid_examples=4)
+    for split in ("train", "valid"):
+        task.load_dataset(split)
+    _, first = batches(task, "train", 1)
+    _, second = batches(task, "train", 2)
+    assert len(first) == len(second) == 3 and not any(torch.equal(a, b) for a, b in zip(first, second))
+    _, again = batches(task, "train", 1)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    valid, valid_batches = batches(task, "valid", 1)
+    valid_again, valid_later = batches(task, "valid", 2)
+    assert valid_again is valid and all(torch.equal(a, b) for a, b in zip(valid_batches, valid_later))
 
 
 @pytest.mark.parametrize("options, message", [
@@ -246,10 +257,15 @@ def test_example_scores_files_are_data(tmp_path):
     np.savez(tmp_path / "other.npz", meta=np.array('{"format": "x"}'))
     with pytest.raises(UsageError, match="not a readable example-scores file"):
         retrieval_accuracy.load(str(tmp_path / "other.npz"))
-    np.save(tmp_path / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
-    (tmp_path / "objects.npz").write_bytes((tmp_path / "objects.npy").read_bytes())
-    with pytest.raises(UsageError):
+    np.savez(tmp_path / "objects.npz", meta=np.array([{"format": retrieval_accuracy.FORMAT}], dtype=object))
+    with pytest.raises(UsageError, match="not a readable example-scores file"):  # never unpickled
         retrieval_accuracy.load(str(tmp_path / "objects.npz"))
+    np.save(tmp_path / "array.npy", np.arange(3))
+    with pytest.raises(UsageError, match="not a readable example-scores file"):
+        retrieval_accuracy.load(str(tmp_path / "array.npy"))
+    np.savez(tmp_path / "list.npz", meta=np.array("[1, 2]"))
+    with pytest.raises(UsageError, match="not a readable example-scores file"):
+        retrieval_accuracy.load(str(tmp_path / "list.npz"))
 
 
 # --- the board's statistics -------------------------------------------------------------------------------
@@ -307,5 +323,10 @@ def test_board_refuses_scores_of_other_examples():
         retrieval_board.build(entrants, 64, scores_of, samples=100)
 
 
-def test_task_name():
-    assert NAME == "retrieval" and Settings().problems() == [] and generator(1, "valid", 64, 0).integers(10) >= 0
+def test_examples_are_drawn_from_the_four_numbers_alone():
+    assert NAME == "retrieval" and Settings().problems() == []
+    numbers = generator(1, "valid", 64, 3).integers(0, 1 << 30, 4)
+    assert np.array_equal(numbers, generator(1, "valid", 64, 3).integers(0, 1 << 30, 4))
+    for other in (generator(2, "valid", 64, 3), generator(1, "test", 64, 3), generator(1, "valid", 65, 3),
+                  generator(1, "valid", 64, 4)):
+        assert not np.array_equal(numbers, other.integers(0, 1 << 30, 4))

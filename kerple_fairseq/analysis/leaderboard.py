@@ -115,9 +115,10 @@ Scores = Callable[[str, int], Dict[Tuple[str, int], SpanLosses]]  # (model, seed
 
 def compared(pairs: Sequence[Tuple[str, str, Sequence[int]]], protocol: str, length: int, scores: Scores,
              samples: int = significance.BOARD_SAMPLES, bootstrap_seed: int = 1,
-             confidence: float = 0.95) -> List[Versus]:
+             confidence: float = 0.95, transform=np.exp) -> List[Versus]:
     """Each ``(model, reference, seeds)`` of ``pairs`` at ``protocol`` and ``length``, each seed of the model paired
-    with the same seed of the reference; one paired bootstrap resamples every run involved."""
+    with the same seed of the reference; one paired bootstrap resamples every run involved (``transform``: of
+    each run's mean per token, see :func:`~kerple_fairseq.analysis.significance.bootstrap_perplexities`)."""
     runs = list(dict.fromkeys((name, seed) for model, reference, seeds in pairs
                               for seed in seeds for name in (reference, model)))
     if not runs:
@@ -129,7 +130,7 @@ def compared(pairs: Sequence[Tuple[str, str, Sequence[int]]], protocol: str, len
     found = significance.paired_differences(
         np.stack([s.loss for s in spans]), counts,
         [(column[reference, seed], column[model, seed]) for model, reference, seeds in pairs for seed in seeds],
-        samples, bootstrap_seed, confidence)
+        samples, bootstrap_seed, confidence, transform)
     out, k = [], 0
     for model, reference, seeds in pairs:
         mine = found[k:k + len(seeds)]

@@ -8,16 +8,19 @@ difference to ALiBi's run of the same seed (model - ALiBi, in accuracy) has the 
 its Monte-Carlo error, and a t-interval over them, the more conservative at each end); it is *resolved*
 when every seed has the same sign and an interval excluding zero."""
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from kerple_fairseq.analysis import significance
+from kerple_fairseq.analysis import leaderboard, significance
 from kerple_fairseq.analysis.leaderboard import RESOLVED, Versus
 from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation.retrieval_accuracy import ExampleScores
+from kerple_fairseq.evaluation.span_losses import SpanLosses
 from kerple_fairseq.tasks.retrieval_sequences import TASKS
 
 REFERENCE = "alibi"
@@ -61,10 +64,6 @@ class RetrievalBoard:
         """The mean over the seeds of the mean accuracy over :attr:`beyond`."""
         return float(np.mean([self.mean(model, task, n) for n in self.beyond]))
 
-    def overall(self, model: str) -> float:
-        """:meth:`beyond_mean` averaged over the tasks."""
-        return float(np.mean([self.beyond_mean(model, task) for task in self.tasks]))
-
     def ranks(self, score: Callable[[str], float]) -> Dict[str, int]:
         """1 for the highest ``score`` of a model; ties share the better rank."""
         scores = {e.name: score(e.name) for e in self.entrants}
@@ -85,6 +84,17 @@ def check_same_examples(task: str, length: int, runs: Sequence[Run],
                              "retrieval options")
 
 
+def units(read: Dict[Run, Tuple[dict, Dict[Tuple[str, int], ExampleScores]]]) -> leaderboard.Scores:
+    """The runs' example scores as the units of :func:`~kerple_fairseq.analysis.leaderboard.compared`: each
+    example's right answers summed where a perplexity's loss would be, its answers counted as its tokens."""
+    def of(name: str, seed: int) -> Dict[Tuple[str, int], SpanLosses]:
+        meta, scores = read[name, seed]
+        drawn = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+        return {key: SpanLosses(s.correct.astype(np.float64), s.answers.astype(np.int64), drawn)
+                for key, s in scores.items()}
+    return of
+
+
 def build(entrants: Sequence[Entrant], train_length: int, scores_of: ScoresOf, bootstrap_seed: int = 1,
           confidence: float = 0.95, samples: int = significance.BOARD_SAMPLES) -> RetrievalBoard:
     """The board of ``entrants`` (ALiBi among them for the comparisons), each run's example scores by
@@ -95,28 +105,15 @@ def build(entrants: Sequence[Entrant], train_length: int, scores_of: ScoresOf, b
     tasks = [task for task in TASKS if any(t == task for t, _ in keys)]
     board = RetrievalBoard(train_length, tasks, sorted({n for _, n in keys}), list(entrants), confidence)
     seeds_of = {e.name: e.seeds for e in entrants}
+    pairs = [(e.name, REFERENCE, [s for s in e.seeds if s in seeds_of[REFERENCE]])
+             for e in entrants if e.name != REFERENCE and REFERENCE in seeds_of]
     for task, length in sorted(keys):
         found = [(read[run][0], read[run][1][task, length]) for run in runs]
         check_same_examples(task, length, runs, found)
-        correct = [s.correct.astype(np.float64) for _, s in found]
-        counts = [s.answers.astype(np.float64) for _, s in found]
-        for (name, seed), c, n in zip(runs, correct, counts):
-            board.accuracy.setdefault((name, task, length), []).append(float(c.sum() / n.sum()))
-        if REFERENCE not in seeds_of:
-            continue
-        pairs, labels = [], []
-        for e in entrants:
-            shared = [s for s in e.seeds if s in seeds_of[REFERENCE]]
-            if e.name != REFERENCE and shared:
-                pairs += [(runs.index((REFERENCE, s)), runs.index((e.name, s))) for s in shared]
-                labels.append((e.name, shared))
-        found_differences = iter(significance.paired_differences(
-            np.stack(correct), counts[0], pairs, samples, bootstrap_seed, confidence, significance.identity))
-        for name, shared in labels:
-            d = [next(found_differences) for _ in shared]
-            board.versus.append(Versus(name, REFERENCE, task, length, shared, [x.difference for x in d],
-                                       [x.bootstrap for x in d], [x.bootstrap_inner for x in d], [x.t for x in d],
-                                       int(counts[0].size)))
+        for (name, seed), (_, s) in zip(runs, found):
+            board.accuracy.setdefault((name, task, length), []).append(float(s.correct.sum() / s.answers.sum()))
+        board.versus += leaderboard.compared([p for p in pairs if p[2]], task, length, units(read), samples,
+                                             bootstrap_seed, confidence, significance.identity)
     return board
 
 

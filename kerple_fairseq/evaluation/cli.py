@@ -144,15 +144,20 @@ def format_row(r: Dict) -> str:
     return f"{r['protocol']:<20} {r['length']:>7} {r['ppl']:>10.3f} {r['loss']:>8.4f} {r['num_tokens']:>10}"
 
 
+def check_output_directories(*outputs) -> None:
+    """Each ``(flag, path)`` given must name a file in a directory that exists."""
+    for flag, path in outputs:
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise UsageError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
+
+
 def check_arguments(args, cfg) -> None:
     """Fail before any work on what would otherwise fail, or be ignored, after it."""
     if cfg.task.sample_break_mode != "none" or cfg.task.add_bos_token:
         raise UsageError("the protocols score fairseq's unbroken token stream: leave --sample-break-mode "
                         "at none and --add-bos-token off")
-    for flag, path in (("--results-json", args.results_json), ("--position-wise", args.position_wise),
-                       ("--per-token", args.per_token)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise UsageError(f"{flag} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
+    check_output_directories(("--results-json", args.results_json), ("--position-wise", args.position_wise),
+                             ("--per-token", args.per_token))
     if args.position_wise and "early-token-cursed" not in protocols_to_run(args):
         raise UsageError("--position-wise reports the early-token-cursed blocks: use it with "
                         "--protocol early-token-cursed or all")
@@ -253,15 +258,24 @@ def evaluate_retrieval(args, cfg) -> int:
         if given:
             raise UsageError(f"{flag} is for language modelling on a data-bin; --task retrieval writes "
                              "--example-scores")
-    if args.example_scores and not os.path.isdir(os.path.dirname(os.path.abspath(args.example_scores))):
-        raise UsageError(f"--example-scores {args.example_scores}: directory "
-                         f"{os.path.dirname(os.path.abspath(args.example_scores))} does not exist")
+    check_output_directories(("--results-json", args.results_json), ("--example-scores", args.example_scores))
+    if cfg.dataset.gen_subset == "train":
+        raise UsageError("--gen-subset train: the training examples are drawn for the mixture of tasks; evaluate "
+                         "valid or test")
+    lengths = args.lengths or [cfg.task.tokens_per_sample]
+    settings = retrieval.settings_of(cfg.task)
+    too_short = [(n, name) for n in lengths for name in retrieval.task_names(cfg.task.retrieval_tasks)
+                 if n < settings.shortest(name)]
+    if too_short:
+        length, name = too_short[0]
+        raise UsageError(f"length {length} is too short for {name}: it needs {settings.shortest(name)} or more "
+                         "with these settings")
+    cfg.task.tokens_per_sample = max(lengths)  # the examples' length is each evaluated length
     retrieval_accuracy.check_checkpoint_task(cfg.common_eval.path, cfg.task)
     model, task, train_length = load_model(cfg, args.attn_window)
     model, device = prepared(model, cfg)
     set_rotary_scaling(model, args.rotary_scaling, train_length)
     limit = length_limit(model)
-    lengths = args.lengths or [cfg.task.tokens_per_sample]
     too_long = [n for n in lengths if limit is not None and n > limit]
     if too_long:
         raise UsageError(f"length {too_long[0]} exceeds the {limit} learned positional embeddings of the model")
@@ -270,9 +284,6 @@ def evaluate_retrieval(args, cfg) -> int:
     for length in lengths:
         scale_rotary_for_length(model, length, train_length)
         for name in task.task_names:
-            if length < task.settings.shortest(name):
-                raise UsageError(f"length {length} is too short for {name}: it needs "
-                                 f"{task.settings.shortest(name)} or more with these settings")
             found = retrieval_accuracy.score(model, task.examples(cfg.dataset.gen_subset, length, [name]), device,
                                              cfg.dataset.max_tokens or 16384)
             scores[name, length] = found.per_example()

@@ -55,14 +55,14 @@ def score(model, dataset, device, max_tokens: int) -> Answers:
     parts = []
     for first in range(0, len(dataset), batch_size):
         indices = range(first, min(first + batch_size, len(dataset)))
-        sample = dataset.collater([dataset[i] for i in indices])
+        examples = [dataset.example(i) for i in indices]
+        sample = dataset.collater([dataset.item(i, e) for i, e in zip(indices, examples)])
         source, target = sample["net_input"]["src_tokens"].to(device), sample["target"].to(device)
         output = model(source)
         log_probs = model.get_normalized_probs(output, log_probs=True, sample={"target": target}).float()
         answers = target.ne(dataset.pad)
         answer_log_probs = log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)[answers]
         correct = log_probs.argmax(-1).eq(target)[answers]
-        examples = [dataset.example(i) for i in indices]
         parts.append(Answers(
             np.concatenate([np.full(len(e.answers), i) for i, e in zip(indices, examples)]),
             np.concatenate([e.answers + 1 - e.sources for e in examples]),
@@ -119,13 +119,13 @@ def load(path: str) -> Tuple[Dict, Dict[Tuple[str, int], ExampleScores]]:
     try:
         with np.load(path, allow_pickle=False) as data:
             meta = json.loads(str(data["meta"]))
-            if meta.get("format") != FORMAT:
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
                 raise ValueError(f"not a {FORMAT} file")
             keys = {tuple(name.split("/")[:2]) for name in data.files if name != "meta"}
             scores = {(task, int(length)): ExampleScores(*(data[f"{task}/{length}/{field}"].astype(np.int64)
                                                            for field in ExampleScores._fields))
                       for task, length in keys}
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # a .npy gives an array, no `with`
         raise UsageError(f"{path} is not a readable example-scores file of kerple-eval-lm --task retrieval "
                          f"({e})") from None
     return meta, scores

@@ -7,33 +7,35 @@ kept with its records, results and example scores stands for itself without its 
 
 import argparse
 import csv
+import os
 import sys
 import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from kerple_fairseq.analysis import figures, retrieval_board
+from kerple_fairseq.analysis import figures, retrieval_board, significance
 from kerple_fairseq.analysis.output_files import write_csv, write_text
 from kerple_fairseq.evaluation import retrieval_accuracy
+from kerple_fairseq.errors import UsageError
 from kerple_fairseq.experiments.comparison import EVALUATION_RECORD
 from kerple_fairseq.experiments.finished_steps import Step, file_digest
-from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.experiments.paths import SCRIPTS
 from kerple_fairseq.experiments.position_encodings import FAMILIES, POSITION_ENCODINGS
-from kerple_fairseq.experiments.recipe import cpu_training_flags
 from kerple_fairseq.experiments.run_cost import estimate, model_costs, recorded_seconds
-from kerple_fairseq.experiments.small_comparison import duration, hours, run, run_dir, stage, train
-from kerple_fairseq.tasks.retrieval_sequences import TASKS
+from kerple_fairseq.experiments.small_comparison import duration, hours, run, run_dir, stage, train, training_flags
+from kerple_fairseq.tasks.retrieval_sequences import TASKS, Settings
 
 Run = Tuple[str, int]
 RESULTS, SCORES = "eval.json", "example-scores.npz"  # beside each run's records: what stands for it without its checkpoint
 BOARD = "retrieval-board"
 
 
-#: the examples' settings, given in full so that the runs' records name them
-SEQUENCES = ("--retrieval-seed", "1", "--retrieval-vocabulary", "64", "--filler-vocabulary", "16", "--mqar-pairs", "8",
-             "--mqar-queries", "4", "--passkey-digits", "5")
+#: the examples' settings (the task's defaults), given in full so that the runs' records name them
+SETTINGS = Settings()
+SEQUENCES = ("--retrieval-seed", "1", "--retrieval-vocabulary", str(SETTINGS.vocabulary), "--filler-vocabulary",
+             str(SETTINGS.filler), "--mqar-pairs", str(SETTINGS.pairs), "--mqar-queries", str(SETTINGS.queries),
+             "--passkey-digits", str(SETTINGS.passkey_digits))
 
 
 def task_flags(args: argparse.Namespace) -> List[str]:
@@ -43,14 +45,8 @@ def task_flags(args: argparse.Namespace) -> List[str]:
 def training(args: argparse.Namespace, name: str, seed: int) -> Step:
     """The training of model ``name`` with ``seed``: the perplexity board's model and optimiser, on the tasks."""
     save_dir = run_dir(args, name, seed)
-    flags = [str(f) for f in [
-        *POSITION_ENCODINGS[name].model_flags(), "--kernel-parameterization", args.kernel_parameterization,
-        *model_size_flags(args.layers, args.width, args.heads, dropout=0.1),
-        *cpu_training_flags(args.train_length, args.max_tokens, lr=0.002, warmup_updates=20, seed=seed,
-                            log_format="simple", log_interval=250, adam_betas="(0.9, 0.98)", clip_norm=1.0,
-                            task=[*task_flags(args), "--train-examples", args.updates * args.max_tokens // args.train_length],
-                            sample_break_mode=None),
-        "--max-update", args.updates]]
+    task = [*task_flags(args), "--train-examples", args.updates * args.max_tokens // args.train_length]
+    flags = training_flags(args, name, seed, log_interval=250, task=task, sample_break_mode=None)
     return Step(save_dir / "trained.json", {"fairseq-train": flags}, [save_dir / "checkpoint_last.pt"])
 
 
@@ -115,10 +111,14 @@ def perplexity_ranks(board_dir: Optional[Path]) -> Dict[str, int]:
     path = board_dir / "leaderboard.csv" if board_dir else None
     if path is None or not path.is_file():
         return {}
-    with open(path, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["protocol"] == "early-token-cursed"]
-    longest = max(int(r["length"]) for r in rows)
-    return {r["model"]: int(r["rank"]) for r in rows if int(r["length"]) == longest}
+    try:
+        with open(path, newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r["protocol"] == "early-token-cursed"]
+        longest = max(int(r["length"]) for r in rows)
+        return {r["model"]: int(r["rank"]) for r in rows if int(r["length"]) == longest}
+    except (KeyError, ValueError, TypeError) as e:
+        raise UsageError(f"{path} is not a perplexity board's leaderboard.csv ({e}): give --perplexity-board the --out "
+                         "of scripts/run-small-comparison.sh") from None
 
 
 def evaluated(args: argparse.Namespace, runs: Sequence[Run]) -> List[Run]:
@@ -148,10 +148,11 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
             f"for {args.updates} updates of {args.max_tokens} tokens; {args.layers} layers, width {args.width}, "
             f"{args.heads} heads. Ranked by the mean accuracy beyond L={args.train_length}. ▲/▼: resolved above or "
             "below ALiBi (every seed's difference of the same sign and its 95% interval excluding zero: at each end "
-            f"the more conservative of a paired bootstrap's over the examples, {retrieval_board.significance.BOARD_SAMPLES:,} "
-            "resamples moved inward by its Monte-Carlo error, and a t-interval over them). Perplexity rank: the model's "
-            f"rank at the longest length on {args.perplexity_board} (early-token-cursed; blank where it holds none). "
-            f"Training and evaluation took {duration(seconds)} in all on this machine."]
+            f"the more conservative of a paired bootstrap's over the examples, {significance.BOARD_SAMPLES:,} "
+            "resamples moved inward by its Monte-Carlo error, and a t-interval over them). "
+            + (f"Perplexity rank: the model's rank at the longest length on {os.path.relpath(args.perplexity_board)} (early-token-cursed; "
+               "blank where it holds none). " if ppl_rank else "")
+            + f"Training and evaluation took {duration(seconds)} in all on this machine."]
     for task in board.tasks:
         text += ["", f"## {task}", "", retrieval_board.markdown(board, task, ppl_rank)]
     for task in board.tasks:

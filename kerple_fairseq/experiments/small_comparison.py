@@ -104,17 +104,24 @@ def trained_alike(args: argparse.Namespace, step: Step, seed: int) -> Optional[P
     return None
 
 
+def training_flags(args: argparse.Namespace, name: str, seed: int, log_interval: int = 25, **task) -> List[str]:
+    """fairseq-train's options of model ``name`` with ``seed``: the comparisons' model, optimiser and schedule
+    (``task``: :func:`~kerple_fairseq.experiments.recipe.cpu_training_flags`'s, language modelling unless given)."""
+    return [str(f) for f in [
+        *POSITION_ENCODINGS[name].model_flags(), "--kernel-parameterization", args.kernel_parameterization,
+        *model_size_flags(args.layers, args.width, args.heads, dropout=0.1),
+        *cpu_training_flags(args.train_length, args.max_tokens, lr=0.002, warmup_updates=20, seed=seed,
+                            log_format="simple", log_interval=log_interval, adam_betas="(0.9, 0.98)", clip_norm=1.0,
+                            **task),
+        "--max-update", args.updates]]
+
+
 def training(args: argparse.Namespace, data: str, name: str, seed: int) -> Step:
     """The training of model ``name`` with ``seed`` in its run's directory on the data-bin whose
     fingerprint is ``data``: its record, key (the fairseq-train options and the data) and checkpoint."""
     save_dir = run_dir(args, name, seed)
-    flags = [str(f) for f in [
-        *POSITION_ENCODINGS[name].model_flags(), "--kernel-parameterization", args.kernel_parameterization,
-        *model_size_flags(args.layers, args.width, args.heads, dropout=0.1),
-        *cpu_training_flags(args.train_length, args.max_tokens, lr=0.002, warmup_updates=20, seed=seed,
-                            log_format="simple", log_interval=25, adam_betas="(0.9, 0.98)", clip_norm=1.0),
-        "--max-update", args.updates]]
-    return Step(save_dir / "trained.json", {"fairseq-train": flags, "data": data}, [save_dir / "checkpoint_last.pt"])
+    return Step(save_dir / "trained.json", {"fairseq-train": training_flags(args, name, seed), "data": data},
+                [save_dir / "checkpoint_last.pt"])
 
 
 def train(args: argparse.Namespace, data_bin: Optional[Path], step: Step, name: str, seed: int) -> Tuple[Path, float]:

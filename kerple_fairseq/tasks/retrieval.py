@@ -61,7 +61,10 @@ class RetrievalDataset(FairseqDataset):
                     generator(self.seed, self.split, self.length, self.offset + index))
 
     def __getitem__(self, index):
-        example = self.example(index)
+        return self.item(index, self.example(index))
+
+    def item(self, index: int, example: Example):
+        """The model's input and targets of ``example``, drawn as example ``index``."""
         target = np.full(self.length, self.pad, dtype=np.int64)
         target[example.answers] = example.tokens[example.answers + 1]
         return {"id": index, "source": torch.from_numpy(example.tokens[:-1].copy()),
@@ -197,9 +200,10 @@ def task_names(text: str) -> List[str]:
 
 def install_answer_scoring() -> None:
     """fairseq's ``SequenceScorer`` (``fairseq-eval-lm``'s) scores a target's first ``n`` positions, ``n`` its
-    tokens that are not padding: right for padding at the end, wrong for MQAR's answers, which padding
-    separates. A batch of the retrieval task (marked ``answers_only``) is scored whole and each row's
-    answers kept; any other batch is scored as fairseq scores it."""
+    tokens that are not padding: right where padding only ends a target, wrong for the retrieval tasks, whose
+    answers come after padding (and MQAR's between it). A batch of the retrieval task (marked
+    ``answers_only``) is scored whole and each row's answers kept; any other batch is scored as fairseq
+    scores it."""
     from fairseq.sequence_scorer import SequenceScorer
 
     stock = SequenceScorer.generate
