@@ -330,3 +330,20 @@ def test_examples_are_drawn_from_the_four_numbers_alone():
     for other in (generator(2, "valid", 64, 3), generator(1, "test", 64, 3), generator(1, "valid", 65, 3),
                   generator(1, "valid", 64, 4)):
         assert not np.array_equal(numbers, other.integers(0, 1 << 30, 4))
+
+
+def test_depth_table_pools_the_lengths_beyond_training_and_averages_the_seeds():
+    board = board_of({"alibi": [0.5, 0.5], "nope": [0.9, 0.9]})
+
+    def record(length, near, far):  # (accuracy, answers) at depths 1-64 and 65-128
+        return {"task": "passkey", "length": length, "depths": [
+            {"from": 1, "to": 64, "accuracy": near[0], "num_answers": near[1]},
+            {"from": 65, "to": 128, "accuracy": far[0], "num_answers": far[1]}]}
+
+    records = {("alibi", 1): [record(64, (1.0, 10), (0.0, 0)), record(128, (0.5, 10), (0.25, 4))],
+               ("alibi", 2): [record(128, (0.7, 10), (0.75, 4))],
+               ("nope", 1): [record(128, (1.0, 2), (1.0, 2))], ("nope", 2): [record(128, (0.0, 2), (0.5, 2))]}
+    table = retrieval_board.depth_markdown(board, "passkey", records)
+    assert table.splitlines()[0] == "| model | depth 1-64 | depth 65-128 |"
+    assert "| ALIBI | 60.0 | 50.0 |" in table  # the length at 64 left out; seeds 50 and 70, 25 and 75
+    assert "| NOPE | 50.0 | 75.0 |" in table

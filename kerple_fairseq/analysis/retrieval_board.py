@@ -169,3 +169,26 @@ def csv_rows(board: RetrievalBoard) -> Tuple[List[str], List[list]]:
                                  v.reference, ";".join(map(str, v.seeds)), ";".join(map(str, v.difference)),
                                  ";".join(f"{lo} {hi}" for lo, hi in v.interval), v.verdict, v.units])])
     return header, rows
+
+
+def depth_markdown(board: RetrievalBoard, task: str, records: Dict[Run, List[dict]]) -> str:
+    """A task's accuracy (%) by the answer's depth, over the lengths beyond the training length pooled (from each
+    run's kerple-eval-lm records), mean over the seeds: how far back a model still finds the answer, apart
+    from how long its input is. Models in the order of :func:`markdown`."""
+    beyond = set(board.beyond)
+    bins = sorted({(d["from"], d["to"]) for rs in records.values() for r in rs
+                   if r["task"] == task and r["length"] in beyond for d in r["depths"]})
+    ranks = board.ranks(lambda name: board.beyond_mean(name, task))
+    lines = ["| model | " + " | ".join(f"depth {lo}-{hi}" for lo, hi in bins) + " |", "|" + "---|" * (len(bins) + 1)]
+    for e in sorted(board.entrants, key=lambda e: ranks[e.name]):
+        cells = []
+        for lo, hi in bins:
+            by_seed = []
+            for seed in e.seeds:
+                found = [(d["accuracy"] * d["num_answers"], d["num_answers"]) for r in records[e.name, seed]
+                         if r["task"] == task and r["length"] in beyond for d in r["depths"] if d["from"] == lo]
+                if found:
+                    by_seed.append(sum(c for c, _ in found) / sum(n for _, n in found))
+            cells.append(_percent(float(np.mean(by_seed))) if by_seed else "")
+        lines.append(f"| {e.label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -7,6 +7,7 @@ kept with its records, results and example scores stands for itself without its 
 
 import argparse
 import csv
+import json
 import os
 import sys
 import time
@@ -155,6 +156,10 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
             + f"Training and evaluation took {duration(seconds)} in all on this machine."]
     for task in board.tasks:
         text += ["", f"## {task}", "", retrieval_board.markdown(board, task, ppl_rank)]
+    records = {r: json.loads((run_dir(args, *r) / RESULTS).read_text()) for r in evaluated(args, runs)}
+    for task in (t for t in board.tasks if t != "copy"):  # copying's depth is half the length
+        text += ["", f"## {task} by depth, lengths {min(board.beyond)} to {max(board.beyond)} pooled", "",
+                 retrieval_board.depth_markdown(board, task, records)]
     for task in board.tasks:
         text += ["", f"## {task} at L={max(board.lengths)}, seed by seed", "",
                  retrieval_board.seed_markdown(board, task, max(board.lengths), labels)]
