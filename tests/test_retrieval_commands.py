@@ -161,3 +161,24 @@ def test_runs_differ_only_in_their_position_encoding():
         assert flags[:len(model)] == model
         rest.add(tuple(flags[len(model):]))
     assert len(rest) == 1
+
+
+COMMITTED = REPO / "results" / "retrieval"
+
+
+def test_the_committed_board_is_what_its_runs_give(tmp_path):
+    """The committed retrieval board, regenerated from its runs' records and example scores with the command of
+    docs/retrieval.md: nothing trained or evaluated, the same markdown and CSV."""
+    import shutil
+
+    out = tmp_path / "retrieval"
+    runs = sorted(p.name for p in COMMITTED.glob("*-seed1"))
+    for name in runs:
+        shutil.copytree(COMMITTED / name, out / name)
+    models = [name[:-len("-seed1")] for name in runs]
+    proc = run([BIN / "python", REPO / "scripts" / "retrieval_comparison.py", "--seeds", "1", "--models", *models,
+                "--out", out])
+    assert "training " not in proc.stdout and "evaluating " not in proc.stdout
+    assert proc.stdout.count("kept without its checkpoint") == len(runs)
+    for board in ("retrieval-board.md", "retrieval-board.csv"):
+        assert (out / board).read_text() == (COMMITTED / board).read_text(), board

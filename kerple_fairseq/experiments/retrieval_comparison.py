@@ -131,8 +131,9 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
     seeds: Dict[str, List[int]] = {}
     for name, seed in evaluated(args, runs):
         seeds.setdefault(name, []).append(seed)
+    order = list(POSITION_ENCODINGS)  # the table's order, whatever the order of --models
     entrants = [retrieval_board.Entrant(name, POSITION_ENCODINGS[name].label, POSITION_ENCODINGS[name].family, s)
-                for name, s in seeds.items()]
+                for name, s in sorted(seeds.items(), key=lambda item: order.index(item[0]))]
 
     @lru_cache(maxsize=None)
     def scores_of(name: str, seed: int):
