@@ -263,13 +263,8 @@ def evaluate_retrieval(args, cfg) -> int:
         raise UsageError("--gen-subset train: the training examples are drawn for the mixture of tasks; evaluate "
                          "valid or test")
     lengths = args.lengths or [cfg.task.tokens_per_sample]
-    settings = retrieval.settings_of(cfg.task)
-    too_short = [(n, name) for n in lengths for name in retrieval.task_names(cfg.task.retrieval_tasks)
-                 if n < settings.shortest(name)]
-    if too_short:
-        length, name = too_short[0]
-        raise UsageError(f"length {length} is too short for {name}: it needs {settings.shortest(name)} or more "
-                         "with these settings")
+    retrieval.check_lengths(retrieval.settings_of(cfg.task), retrieval.task_names(cfg.task.retrieval_tasks), lengths,
+                            "length")
     cfg.task.tokens_per_sample = max(lengths)  # the examples' length is each evaluated length
     retrieval_accuracy.check_checkpoint_task(cfg.common_eval.path, cfg.task)
     model, task, train_length = load_model(cfg, args.attn_window)

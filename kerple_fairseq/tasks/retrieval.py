@@ -117,10 +117,7 @@ class RetrievalTask(FairseqTask):
         for symbol in self.settings.symbols():
             self.dictionary.add_symbol(symbol)
         self.alphabet = Alphabet.of(self.settings, self.dictionary.nspecial)
-        too_short = [t for t in self.task_names if cfg.tokens_per_sample < self.settings.shortest(t)]
-        if too_short:
-            raise UsageError(f"--tokens-per-sample {cfg.tokens_per_sample} is too short for {too_short[0]}: it needs "
-                             f"{self.settings.shortest(too_short[0])} or more with these settings")
+        check_lengths(self.settings, self.task_names, [cfg.tokens_per_sample], "--tokens-per-sample")
         if min(cfg.train_examples, cfg.valid_examples) < 1:
             raise UsageError("--train-examples and --valid-examples must be 1 or more")
         if cfg.data:
@@ -186,6 +183,15 @@ def settings_of(cfg) -> Settings:
     if problems:
         raise UsageError(problems[0])
     return settings
+
+
+def check_lengths(settings: Settings, names: List[str], lengths: List[int], what: str) -> None:
+    """One line for the first of ``lengths`` too short for an example of one of the tasks ``names``."""
+    for length in lengths:
+        for name in names:
+            if length < settings.shortest(name):
+                raise UsageError(f"{what} {length} is too short for {name}: it needs {settings.shortest(name)} or "
+                                 "more with these settings")
 
 
 def task_names(text: str) -> List[str]:
