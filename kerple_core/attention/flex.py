@@ -12,6 +12,10 @@ modification (PyTorch 2.13's CPU compiler miscompiles masks that capture tensors
 modification). On CUDA, gradients reach the captured tensors (and through them the kernel's
 parameters); on CPU the kernel has no backward, so it serves evaluation only.
 
+On CPU, queries and keys of heads narrower than :data:`CPU_MIN_QK_WIDTH` are widened with zeros before
+the compiled kernel (:func:`widened_for_cpu`): PyTorch 2.13's CPU kernel computes ``q k^T`` wrongly
+for such heads on CPUs with 256-bit vectors (AVX2), silently (docs/design.md, "FlexAttention on CPU with AVX2").
+
 Score modifications are small pure functions of ``(score, batch, head, query, key)`` over captured
 tensors. Offsets are captured as one-element tensors and sizes are dynamic, so one compiled kernel
 serves every length and decoding step: a process compiles a bounded number of times
@@ -22,6 +26,7 @@ import time
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
@@ -43,6 +48,11 @@ ScoreTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 #: compiles of FlexAttention a process allows before dynamo falls back to the eager kernel
 RECOMPILE_LIMIT = 64
+#: the narrowest head (of queries and keys) the compiled CPU kernel is given: PyTorch 2.13's CPU template
+#: multiplies ``q k^T`` with a micro-kernel of 16 keys whose path for heads narrower than 24 dimensions
+#: (a multiple of the vector's floats) stores 16 scores whatever a last block of keys holds; with AVX2's
+#: 8-float vectors a last block of 8 keys writes past its row: wrong outputs, or NaN, at 8, 24, ..., 120 keys
+CPU_MIN_QK_WIDTH = 24
 #: use ``torch.compile``d FlexAttention (False: the eager one, which materialises the scores)
 COMPILED = True
 _compiled_flex = None
@@ -187,12 +197,24 @@ def attend(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod, mask: "Mask") -
     # dynamo's default limit of 8 only in a process that runs many models; the limit is raised for this
     # call alone, so torch's settings stay the process's own
     limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    q, k = widened_for_cpu(q, k)
     with torch._dynamo.config.patch(recompile_limit=limit):
         out = _flex()(q, k, v, score_mod=score_mod, block_mask=mask, scale=1.0)
     if _graphs() > before:
         _compiles["count"] += _graphs() - before
         _compiles["seconds"] += time.perf_counter() - start
     return out
+
+
+def widened_for_cpu(q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
+    """``q`` and ``k`` on CPU with zeros appended to heads narrower than :data:`CPU_MIN_QK_WIDTH`
+    (``q k^T`` unchanged: the compiled kernel then takes its inner-product path, right on every CPU);
+    otherwise as they are."""
+    width = q.size(-1)
+    if q.device.type != "cpu" or width >= CPU_MIN_QK_WIDTH:
+        return q, k
+    pad = (0, CPU_MIN_QK_WIDTH - width)
+    return F.pad(q, pad), F.pad(k, pad)
 
 
 def compile_report() -> Tuple[int, float]:
