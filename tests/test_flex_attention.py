@@ -125,35 +125,37 @@ def test_compiled_flex_equals_the_reference_for_every_method(name, variant, comp
 
 
 def vector_widths():
-    """The vector widths (bits) PyTorch's CPU compiler generates code for on this CPU: its own choice
-    first, then each narrower one the CPU runs (AVX2's 256 bits on an AVX-512 CPU); on a CPU without
-    vector code, None (the compiler's scalar code)."""
+    """The vector widths (bits) PyTorch's CPU compiler generates code for on this CPU, widest first
+    (AVX-512's 512 and AVX2's 256 on an AVX-512 CPU; 256 alone on an AVX2 one)."""
     from torch._inductor import cpu_vec_isa
     return sorted({isa.bit_width() for isa in cpu_vec_isa.valid_vec_isa_list()}, reverse=True) or [None]
 
 
-#: key counts around each vector's floats (4, 8, 16) and the CPU kernel's 16-key micro-kernel, up to
+#: key counts around each vector's floats (8, 16) and the CPU kernel's 16-key micro-kernel, up to
 #: FlexAttention's 128-key tile and past it (one key, a compile of its own, is decoding's first step:
 #: the model tests decode from it)
 KEY_COUNTS = [*range(2, 42), 47, 48, 49, 56, 63, 64, 65, 72, 88, 104, 120, 127, 128, 129, 136, 152, 264]
+#: (head width, queries): the tests' models' heads of 16 and a usual 64, decoding and a block of five; 8,
+#: also narrow, decoding
+HEADS_AND_QUERIES = [(16, 1), (16, 5), (8, 1), (64, 1), (64, 5)]
 
 
 @pytest.mark.parametrize("bits", vector_widths())
 def test_compiled_flex_is_right_at_every_vector_width_of_this_cpu(bits, monkeypatch):
     """The compiled CPU kernel, as the backend calls it, against float64 attention with ALiBi's bias, at
-    key counts around every vector width, one query (decoding) and several, heads of 16 and 64
-    dimensions, in each vector width this CPU runs: PyTorch 2.13's kernel is wrong at 8, 24, ..., 120
-    keys for heads under 24 dimensions with AVX2's vectors (the tests' models have heads of 16), which
-    the backend avoids (:func:`~kerple_core.attention.flex.widened_for_cpu`); 64 is a usual head."""
+    key counts around every vector width, in each vector width this CPU runs: PyTorch 2.13's AVX2 code
+    is wrong at 8, 24, ..., 120 keys for heads under 24 dimensions, which the backend avoids
+    (:func:`~kerple_core.attention.flex.widened_for_cpu`)."""
     monkeypatch.setattr(flex, "COMPILED", True)
     torch._dynamo.reset()
+    compiles = flex.compile_report()[0]
     wrong = []
     heads = 2
     slopes = 2.0 ** (-8 * torch.arange(1, heads + 1, dtype=torch.float64) / heads)
     generator = torch.Generator().manual_seed(0)
-    with torch._inductor.config.patch({"cpp.simdlen": bits}):
-        for head_dim in (16, 64):
-            for queries in (1, 5):
+    try:
+        with torch._inductor.config.patch({"cpp.simdlen": bits}):
+            for head_dim, queries in HEADS_AND_QUERIES:
                 for keys in (n for n in KEY_COUNTS if n >= queries):
                     offset = keys - queries
                     q, k, v = (torch.randn(1, heads, n, head_dim, generator=generator, dtype=torch.float64)
@@ -168,7 +170,9 @@ def test_compiled_flex_is_right_at_every_vector_width_of_this_cpu(bits, monkeypa
                     error = (got.double() - expected).abs().max().item()
                     if not error < 1e-5:
                         wrong.append(f"head {head_dim}, {queries} queries, {keys} keys: {error:.2g}")
-    torch._dynamo.reset()
+        assert flex.compile_report()[0] > compiles, "nothing was compiled"
+    finally:
+        torch._dynamo.reset()  # no kernel of this vector width serves a later test
     assert not wrong, f"compiled FlexAttention wrong with {bits}-bit vectors at " + "; ".join(wrong)
 
 

@@ -14,7 +14,7 @@ parameters); on CPU the kernel has no backward, so it serves evaluation only.
 
 On CPU, queries and keys of heads narrower than :data:`CPU_MIN_QK_WIDTH` are widened with zeros before
 the compiled kernel (:func:`widened_for_cpu`): PyTorch 2.13's CPU kernel computes ``q k^T`` wrongly
-for such heads on CPUs with 256-bit vectors (AVX2), silently (docs/design.md, "FlexAttention on CPU with AVX2").
+for such heads with AVX2 code, silently, below 128 keys (docs/design.md, "FlexAttention on CPU with AVX2").
 
 Score modifications are small pure functions of ``(score, batch, head, query, key)`` over captured
 tensors. Offsets are captured as one-element tensors and sizes are dynamic, so one compiled kernel
@@ -50,8 +50,9 @@ ScoreTerm = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 RECOMPILE_LIMIT = 64
 #: the narrowest head (of queries and keys) the compiled CPU kernel is given: PyTorch 2.13's CPU template
 #: multiplies ``q k^T`` with a micro-kernel of 16 keys whose path for heads narrower than 24 dimensions
-#: (a multiple of the vector's floats) stores 16 scores whatever a last block of keys holds; with AVX2's
-#: 8-float vectors a last block of 8 keys writes past its row: wrong outputs, or NaN, at 8, 24, ..., 120 keys
+#: (a multiple of the vector's floats) reads and stores 16 keys whatever a last block holds; with AVX2's
+#: 8-float vectors a last block of 8 keys reads and writes past its row: wrong outputs, or NaN, at 8, 24,
+#: ..., 120 keys. Widening is harmless where the kernel is right; the test of every vector width keeps it honest
 CPU_MIN_QK_WIDTH = 24
 #: use ``torch.compile``d FlexAttention (False: the eager one, which materialises the scores)
 COMPILED = True
@@ -189,6 +190,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod, mask: "Mask") -
     """``softmax(score_mod(q k^T)) v`` over the visible keys of ``mask``; ``q`` ``[B, H, T, D]`` already scaled."""
     score_mod = masked(score_mod, mask.visible)
     mask = mask.tiles
+    if COMPILED:
+        q, k = widened_for_cpu(q, k)
     if not COMPILED or is_fake(q):  # FakeTensor propagation is what compiling would do
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=1.0)
     before = _graphs()
@@ -197,7 +200,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod, mask: "Mask") -
     # dynamo's default limit of 8 only in a process that runs many models; the limit is raised for this
     # call alone, so torch's settings stay the process's own
     limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    q, k = widened_for_cpu(q, k)
     with torch._dynamo.config.patch(recompile_limit=limit):
         out = _flex()(q, k, v, score_mod=score_mod, block_mask=mask, scale=1.0)
     if _graphs() > before:
