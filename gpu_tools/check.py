@@ -9,8 +9,9 @@ time to the next; one that overruns is cut, what it finished kept, and the next 
    a refusal or a failed import ends the command;
 3. **cuda-tests**: ``tests/test_cuda.py`` and ``tests/test_fused_attention.py`` (the CUDA tier), a per-test
    timeout, a JUnit XML file;
-4. **speed**: KERPLE Table 4's setting, ``scripts/benchmark.py`` on the 247M model in fp16 (the fused kernel
-   beside the backends before it), its profile and training memory;
+4. **speed**: the fused attention kernel alone against PyTorch's flash attention at 2048 tokens
+   (:mod:`gpu_tools.kernel_speed`), then KERPLE Table 4's setting, ``scripts/benchmark.py`` on the 247M model
+   in fp16 (the fused kernel beside the backends before it), its profile and training memory;
 5. **train**: the bundle's sample preprocessed, then a short fp16 run of ALiBi's recipe on the 247M
    model, ``alibi`` and ``kerple_log`` side by side, a checkpoint saved every 50 updates;
 6. **eval**: ``kerple-eval-lm --fp16`` of both at 512 to 3072 tokens under both protocols, and their
@@ -18,9 +19,10 @@ time to the next; one that overruns is cut, what it finished kept, and the next 
 
 Everything printed also goes to ``gpu-check.log``; ``gpu-check.json``, rewritten whole after every
 step, holds each step's outcome and figures. ``--rehearse`` runs every step on a machine without CUDA
-(in an environment of the GPU image's versions), the CUDA tier skipped with its reason and the
-trainings, evaluations and benchmark at CPU size. ``--dry-run`` prepares and checks the bundle, prints
-every command and runs what needs neither the GPU nor the GPU image's environment.
+(in an environment of the GPU image's versions), the CUDA tier skipped with its reason, the fused
+kernel's timing left out, and the trainings, evaluations and benchmark at CPU size. ``--dry-run``
+prepares and checks the bundle, prints every command and runs what needs neither the GPU nor the GPU
+image's environment.
 
 Imports nothing of fairseq's or the plugin's: it installs them.
 """
@@ -76,14 +78,19 @@ SPEED = ["--wiki103", "--fp16", "--baseline", "sinusoidal", "--models", "alibi",
 TINY_SPEED = ["--baseline", "sinusoidal", "--models", "alibi", "kerple_log", "fox", "kerple_log@flex", "--lengths",
               "64", "--batch-tokens", "256", "--repeats", "1", "--memory-lengths", "128", "--generate", "16",
               "--max-cache-window", "8", "--profile", "3"]
+#: the speed step's most seconds for the fused kernel timed alone, before the benchmark (its defaults: 2048
+#: tokens, heads of 64 and 128, fp16, dropout 0.1; meant to take under 20 s on an H200, mostly Triton's
+#: compiles: not yet measured)
+KERNEL_SPEED_SECONDS = 30
 #: the CUDA tier: the tests marked cuda, and the fused backend's tests (on CUDA where a GPU is)
 CUDA_TIER = ("test_cuda.py", "test_fused_attention.py")
 #: its tests: the CUDA ones and the fused backend's, without those that compile for GPUs on a CPU
 CUDA_TIER_MARKERS = "(cuda or fused) and not cross_compile"
 #: each step's share of the budget in seconds (575 in all: the default --budget). On a fresh H100 the
 #: CUDA tier's 244 tests before the fused backend's took about 210 s (its FlexAttention compiles cold),
-#: 100 s once compiled; the speed step's 5 models 92 s, now 8
-SHARES = {"preflight": 15, "install": 30, "cuda-tests": 245, "speed": 130, "train": 105, "eval": 50}
+#: 100 s once compiled; the speed step's 5 models 92 s, now 8, and the fused kernel timed alone (20 s, from the
+#: CUDA tier's share: a second command completes the tier where it does not finish)
+SHARES = {"preflight": 15, "install": 30, "cuda-tests": 225, "speed": 150, "train": 105, "eval": 50}
 STEPS = tuple(SHARES)
 #: variables that make cuBLAS and cuDNN (NVIDIA's) or PyTorch's cuBLAS calls use TF32 for float32,
 #: whatever PyTorch's flags say: recorded by preflight, set to 0 for the CUDA tier
@@ -130,6 +137,10 @@ class Paths(NamedTuple):
         return self.work / "speed.json"
 
     @property
+    def kernel_speed(self) -> Path:
+        return self.work / "kernel-speed.json"
+
+    @property
     def junit(self) -> Path:
         return self.results / "cuda-tests.xml"
 
@@ -170,8 +181,12 @@ def commands(step: str, paths: Paths, python: str, mode: str, limit: float = 0.0
                            *workers, "--continue-on-collection-errors", *timeout, "--durations=10",
                            f"--junitxml={paths.junit}", *(str(paths.repo / "tests" / name) for name in CUDA_TIER)]}
     if step == "speed":
-        return {"benchmark": [python, str(scripts / "benchmark.py"), *(TINY_SPEED if small else SPEED),
-                              "--json", str(paths.speed)]}
+        # a rehearsal leaves out the kernel timed alone, which would run under the interpreter of the GPU image's
+        # Triton 3.6, broken with NumPy 2.5 (tests/test_gpu_check.py runs it under the set-up's Triton)
+        kernels = {} if small else {"kernels": [python, str(paths.repo / "gpu_tools" / "kernel_speed.py"),
+                                                "--json", str(paths.kernel_speed)]}
+        return {**kernels, "benchmark": [python, str(scripts / "benchmark.py"), *(TINY_SPEED if small else SPEED),
+                                         "--json", str(paths.speed)]}
     if step == "data":
         return {"prepare": [python, str(scripts / "prepare_wikitext_103.py"), "--tokens-dir",
                             str(paths.bundle / gpu_bundle.SAMPLE), "--dest", str(paths.data)]}
@@ -361,7 +376,8 @@ def check(paths: Paths, mode: str = "gpu", only: Sequence[str] = STEPS, budget: 
     the command could not go on after preflight or install, else 1."""
     python = sys.executable
     paths.results.mkdir(parents=True, exist_ok=True)
-    for old in (paths.results / "gpu-check.log", paths.junit, paths.speed, *map(paths.evaluation, TRAINED)):
+    for old in (paths.results / "gpu-check.log", paths.junit, paths.speed, paths.kernel_speed,
+                *map(paths.evaluation, TRAINED)):
         old.unlink(missing_ok=True)  # an earlier run's figures are never taken for this one's
     shutil.rmtree(paths.work / "checkpoints", ignore_errors=True)
     paths.work.mkdir(parents=True, exist_ok=True)
@@ -496,12 +512,27 @@ def cuda_tests(paths, mode, python, limit, log, env, gpu, builder):
 
 
 def speed(paths, mode, python, limit, log, env, gpu, builder):
+    """The fused kernel timed alone (within :data:`KERNEL_SPEED_SECONDS`), then the benchmark in the step's
+    time left, one after the other so that neither times the GPU while the other uses it."""
     cmds = commands("speed", paths, python, mode)
     if mode == "dry-run":
         return printed(cmds, log), {}
-    paths.speed.unlink(missing_ok=True)
-    outcome = run_side_by_side(cmds, limit, log, env)
-    return outcome, ({"speed": json.loads(paths.speed.read_text())} if paths.speed.is_file() else {})
+    for path in (paths.kernel_speed, paths.speed):
+        path.unlink(missing_ok=True)
+    start = time.monotonic()
+    outcomes = []
+    for label, cmd in cmds.items():
+        left = limit - (time.monotonic() - start)
+        outcomes.append(run_side_by_side({label: cmd}, min(left, KERNEL_SPEED_SECONDS) if label == "kernels" else left,
+                                         log, env))
+    statuses = {outcome.status for outcome in outcomes}
+    status = "cut" if "cut" in statuses else "failed" if "failed" in statuses else "ok"
+    cut = [label for label, outcome in zip(cmds, outcomes) if outcome.status == "cut"]
+    outcome = Outcome(status, time.monotonic() - start, {k: v for o in outcomes for k, v in o.outputs.items()},
+                      f"cut at its time: {', '.join(cut)}" if cut else "")
+    figures = {key: json.loads(path.read_text()) for key, path in (("kernel_speed", paths.kernel_speed),
+                                                                   ("speed", paths.speed)) if path.is_file()}
+    return outcome, figures
 
 
 def train(paths, mode, python, limit, log, env, gpu, builder):

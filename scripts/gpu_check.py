@@ -4,7 +4,7 @@
 Steps, in order, each within its share of --budget (seconds: {shares};
 a step that ends early leaves its time to the next, one that overruns is cut and the next started):
 the machine; what the environment lacks of the bundle, nothing it holds changed; the CUDA test tier;
-KERPLE Table 4's speed; a short fp16 training of the 247M model (alibi, kerple_log); kerple-eval-lm
+the fused attention kernel alone against flash attention, then KERPLE Table 4's speed; a short fp16 training of the 247M model (alibi, kerple_log); kerple-eval-lm
 --fp16 of both. The results folder gets gpu-check.log, gpu-check.json (rewritten after every step) and
 cuda-tests.xml. See docs/gpu.md.
 

@@ -7,6 +7,7 @@ step's summary reads fairseq's JSON log."""
 
 import importlib.util
 import json
+import math
 import os
 import re
 import shlex
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, run
-from gpu_tools import bundle as gpu_bundle, check as gpu_check
+from gpu_tools import bundle as gpu_bundle, check as gpu_check, kernel_speed
 
 # a fairseq-train --log-format json log of the training step's kind (a CPU fp16 run of kerple_log),
 # shortened, with an overflow as fairseq logs it
@@ -306,12 +307,62 @@ def test_dry_run_prepares_the_bundle_and_prints_commands_their_programs_accept(t
         assert args.fp16 and args.protocol == "all" and args.lengths == [512, 1024, 2048, 3072]
     (analyze,) = commands["analyze.py"]
     assert analysis_parser().parse_args(analyze[2:]).labels == list(gpu_check.TRAINED)
-    # speed: benchmark.py takes its options, and builds every model it names
+    # speed: the kernel's timing at its defaults (2048 tokens); benchmark.py takes its options, and builds every
+    # model it names
+    (kernels,) = commands["kernel_speed.py"]
+    args = kernel_speed.parse_args(kernels[2:])
+    assert (args.length, args.head_dims, args.dtype) == (2048, [64, 128], "float16")
     (benchmark,) = commands["benchmark.py"]
     args = script_module("benchmark").parse_args(benchmark[2:])
     assert args.wiki103 and args.fp16 and args.baseline == "sinusoidal" and args.memory_lengths == [8192, 16384]
     for name in [args.baseline, *args.models]:
         model_flags(name, args)
+
+
+def test_the_speed_step_times_the_kernel_alone_then_the_benchmark(tmp_path, monkeypatch):
+    """One after the other: the kernel's timing within KERNEL_SPEED_SECONDS (cut there, what it wrote kept), then
+    the benchmark in the step's time left; both JSON files among the step's figures. A rehearsal runs the
+    benchmark alone."""
+    paths = gpu_check.Paths(repo=REPO, bundle=tmp_path, results=tmp_path, work=tmp_path)
+    cmds = gpu_check.commands("speed", paths, sys.executable, "gpu")
+    assert list(cmds) == ["kernels", "benchmark"]
+    assert kernel_speed.parse_args(cmds["kernels"][2:]).json == paths.kernel_speed
+    assert list(gpu_check.commands("speed", paths, sys.executable, "rehearse")) == ["benchmark"]
+
+    def writing(path, figures, sleep):
+        return [sys.executable, "-c", f"import json, time; open({str(path)!r}, 'w').write(json.dumps({figures!r})); "
+                f"print('wrote {path.name}', flush=True); time.sleep({sleep})"]
+
+    monkeypatch.setattr(gpu_check, "commands", lambda *args, **kwargs: {
+        "kernels": writing(paths.kernel_speed, {"head_dims": {}}, 60),
+        "benchmark": writing(paths.speed, {"rows": []}, 0)})
+    monkeypatch.setattr(gpu_check, "KERNEL_SPEED_SECONDS", 3)
+    monkeypatch.setattr(gpu_check, "GRACE", (5, 2))
+    start = time.monotonic()
+    outcome, figures = gpu_check.speed(paths, "gpu", sys.executable, 30, gpu_check.Log(tmp_path / "log"),
+                                       dict(os.environ), None, None)
+    assert time.monotonic() - start < 25
+    assert (outcome.status, outcome.note) == ("cut", "cut at its time: kernels")
+    assert figures == {"kernel_speed": {"head_dims": {}}, "speed": {"rows": []}}
+    lines = (tmp_path / "log").read_text().splitlines()
+    started = [i for i, line in enumerate(lines) if line.startswith("$ ")]
+    assert len(started) == 2 and started[0] < lines.index("wrote kernel-speed.json") < started[1]
+
+
+@pytest.mark.slow
+def test_the_kernel_timing_runs_on_the_cpu_under_tritons_interpreter(tmp_path):
+    """The speed step's own command, at a tiny size, from another folder: a finite positive time for SDPA and for
+    the fused kernel with each bias, forward and forward plus backward, and each bias's ratios to SDPA's."""
+    paths = gpu_check.Paths(repo=REPO, bundle=tmp_path, results=tmp_path, work=tmp_path)
+    cmd = gpu_check.commands("speed", paths, sys.executable, "gpu")["kernels"]
+    run([*cmd, "--length", "64", "--head-dims", "16", "--batch", "1", "--heads", "2", "--repeats", "1"],
+        cwd=tmp_path, env={**os.environ, "TRITON_INTERPRET": "1"})
+    cases = json.loads(paths.kernel_speed.read_text())["head_dims"]["16"]
+    assert list(cases) == ["sdpa", *kernel_speed.BIASES]
+    for name, case in cases.items():
+        keys = {"forward_ms", "forward_backward_ms"} | (set() if name == "sdpa" else {"forward_ratio",
+                                                                                   "forward_backward_ratio"})
+        assert set(case) == keys and all(math.isfinite(case[k]) and case[k] > 0 for k in keys), (name, case)
 
 
 def test_a_smaller_budget_scales_every_steps_share():
