@@ -100,9 +100,8 @@ def test_fused_equals_the_explicit_path_with_gradients_for_every_method(name, va
 def test_the_smallest_tiles_attend_as_the_explicit_path(name, monkeypatch):
     """The launch settings a GPU with little shared memory takes (32 x 32 tiles, one stage), in blocks under a
     window: a weight kernel, and gates."""
-    monkeypatch.setattr(fused, "TILES", fused.TILES[-1:])
+    monkeypatch.setattr(fused, "settings", lambda name, block_d, dtype: (fused.Tiles(32, 4, 1),))
     monkeypatch.setattr(fused, "_fitting", {})
-    assert fused.TILES[0].block == 32
     check_model(name, "window")
 
 
@@ -251,7 +250,7 @@ def test_dropout_is_the_kernels_stream_regenerated_in_the_backward(name):
     # the explicit path's logits with the same cells dropped
     logits = biased_scores(q, k, source.for_block(QueryBlock(0, 48, 0, 48, 0), 48, shared=False))
     probabilities = torch.softmax(logits, -1)
-    expected = (probabilities * keep.view_as(probabilities) / (1 - p)) @ v
+    expected = (probabilities * keep.view_as(probabilities) / fused.keep_probability(p)) @ v
     torch.testing.assert_close(out, expected, rtol=0, atol=2e-5)
     parameters = list(kernel.parameters())
     for a, b in zip(gradients(out, [q, k, v, *parameters]), gradients(expected, [q, k, v, *parameters])):
@@ -266,11 +265,52 @@ def test_dropout_keeps_its_rate_and_zero_dropout_is_no_dropout():
     keep = fused.keep_mask(8, 128, 128, 0.1, 1234, DEVICE)
     rate = keep.double().mean().item()
     cells = keep.numel()
-    assert abs(rate - 0.9) < 5 * (0.9 * 0.1 / cells) ** 0.5, rate
+    assert fused.keep_probability(0.1) == 230 / 256  # 0.1 rounded to 26/256, as FlashAttention-2 rounds it
+    assert abs(rate - 230 / 256) < 5 * (0.9 * 0.1 / cells) ** 0.5, rate
     kernel, source = kernel_bias("alibi", 2)
     q, k, v = block_inputs(1, 2, 30, 30, 16, torch.float32)
     bias = source.for_block(QueryBlock(0, 30, 0, 30, 0), 30, shared=False)
     torch.testing.assert_close(fused.attend(q, k, v, bias, dropout=0.0), fused.attend(q, k, v, bias), rtol=0, atol=0)
+
+
+def test_the_backward_draws_the_forwards_cells_whatever_the_tiles():
+    """The forward draws a tile's cells queries first, the backward keys first; both are the same stream, which
+    depends on neither the tile size nor where a tile starts (a cell's draw counts its group of 16 keys)."""
+    forward = fused.keep_mask(3, 100, 90, 0.3, 99, DEVICE)
+    torch.testing.assert_close(fused.keep_mask(3, 100, 90, 0.3, 99, DEVICE, transposed=True), forward, rtol=0, atol=0)
+    larger = fused.keep_mask(3, 130, 150, 0.3, 99, DEVICE)
+    torch.testing.assert_close(larger[:, :100, :90], forward, rtol=0, atol=0)
+
+
+def test_no_two_heads_or_calls_share_a_dropout_stream():
+    """Streams of seeds ``s`` and ``s + 1`` for every head: each pair agrees on as many cells as two independent
+    masks do (``q^2 + (1 - q)^2`` of them, ``q`` the keep probability), within 6 standard errors."""
+    masks = {seed: fused.keep_mask(4, 64, 64, 0.5, seed, DEVICE) for seed in (20, 21)}
+    streams = [(seed, head) for seed in masks for head in range(4)]
+    q = fused.keep_probability(0.5)
+    chance = q ** 2 + (1 - q) ** 2
+    cells = 64 * 64
+    for i, (seed_a, head_a) in enumerate(streams):
+        for seed_b, head_b in streams[i + 1:]:
+            agree = (masks[seed_a][head_a] == masks[seed_b][head_b]).double().mean().item()
+            assert abs(agree - chance) < 6 * (chance * (1 - chance) / cells) ** 0.5, (seed_a, head_a, seed_b, head_b)
+
+
+def test_head_offsets_are_computed_in_64_bits():
+    """A head's start ``b * stride_b + h * stride_h`` past ``2 ** 31`` elements (a long evaluation's batch) is exact,
+    not wrapped in 32 bits."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def starts(Out, stride_b, stride_h):
+        i = tl.program_id(0)
+        tl.store(Out + i, fused.kernels().head_start(i // 3, i % 3, stride_b, stride_h))
+
+    stride_b, stride_h = 3 * 2 ** 29, 2 ** 29 + 7  # 32-bit values whose products with b and h pass 2 ** 31
+    out = torch.zeros(6, dtype=torch.int64, device=DEVICE)
+    starts[(6,)](out, stride_b, stride_h)
+    assert out.tolist() == [b * stride_b + h * stride_h for b in range(2) for h in range(3)]
 
 
 def test_which_blocks_the_kernel_serves():
@@ -405,18 +445,24 @@ def test_a_launch_takes_the_first_settings_its_gpu_holds_and_remembers_them(monk
 
     monkeypatch.setattr(fused, "kernels", lambda: types.SimpleNamespace(forward_kernel=Kernel()))
     monkeypatch.setattr(fused, "_fitting", {})
+    candidates = (fused.Tiles(64, 4, 3), fused.Tiles(64, 4, 2), fused.Tiles(64, 4, 1), fused.Tiles(32, 4, 2))
+    monkeypatch.setattr(fused, "settings", lambda name, block_d, dtype: candidates)
     cpu = torch.device("cpu")
-    fused.launch("forward_kernel", 100, 6, cpu, (), {"D": 16})
+    q = torch.zeros(1, dtype=torch.float16)
+    fused.launch("forward_kernel", 100, 6, cpu, (q,), {"BLOCK_D": 16})
     assert launched == [((2, 6), 64, 3), ((2, 6), 64, 2), ((2, 6), 64, 1)]
     launched.clear()
-    fused.launch("forward_kernel", 100, 6, cpu, (), {"D": 16})
+    fused.launch("forward_kernel", 100, 6, cpu, (q,), {"BLOCK_D": 16})
     assert launched == [((2, 6), 64, 1)], "the settings that fit are remembered"
     launched.clear()
-    fused.launch("forward_kernel", 100, 6, cpu, (), {"D": 32})
+    fused.launch("forward_kernel", 100, 6, cpu, (q,), {"BLOCK_D": 32})
     assert launched[0] == ((2, 6), 64, 3), "other constants are other kernels: from the first settings again"
-    monkeypatch.setattr(fused, "TILES", fused.TILES[:2])
+    launched.clear()
+    fused.launch("forward_kernel", 100, 6, cpu, (q.float(),), {"BLOCK_D": 16})
+    assert launched[0] == ((2, 6), 64, 3), "another dtype is another kernel: from the first settings again"
+    monkeypatch.setattr(fused, "settings", lambda name, block_d, dtype: candidates[:2])
     with pytest.raises(OutOfResources):
-        fused.launch("forward_kernel", 100, 6, cpu, (), {"D": 64})
+        fused.launch("forward_kernel", 100, 6, cpu, (q,), {"BLOCK_D": 64})
 
 
 #: shared memory a block may take (bytes): sm_90 (H100, H200) 227 KiB, sm_80 (A100) 163 KiB, sm_86 and sm_89 (RTX 30

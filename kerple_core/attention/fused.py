@@ -6,23 +6,25 @@ distances]``, float32; a weight kernel's ``W`` likewise), and, for the Forgettin
 per-key state of its cumulative log forget gates (its term ``c_i - c_j``); it is added in float32 to the
 float32 scores and never laid out. Tiles wholly in the future or outside an attention window are skipped.
 Attention dropout is applied inside the kernel from a counter-based random stream (a seed drawn from
-PyTorch's generator and each cell's index), which the backward regenerates: no mask is stored. The
-backward returns the gradients of the queries, keys and values, of the per-distance values (each tile's
-logit gradients summed along its diagonals, per program and then in a fixed order, so that they repeat
-exactly, up to :data:`DETERMINISTIC_CELLS`) and of the gates' state (row and column sums), from which
-autograd reaches every kernel's and gate's parameters. The kernels are in
-:mod:`kerple_core.attention.fused_kernels` (FlashAttention-2's tiling).
+PyTorch's generator and each cell's query, key and head), which the backward regenerates: no mask is stored.
+Its rate is rounded to a multiple of 1/256 (:func:`dropout_threshold`), as FlashAttention-2's is. The backward,
+one pass over key tiles, returns the gradients of the queries, keys and values, of the per-distance values (each
+tile's logit gradients summed along its diagonals, per program and then in a fixed order, so that they repeat
+exactly, up to :data:`DETERMINISTIC_CELLS`) and of the gates' state (row and column sums), from which autograd
+reaches every kernel's and gate's parameters. The kernels are in :mod:`kerple_core.attention.fused_kernels`
+(FlashAttention-2's structure).
 
 It serves CUDA tensors, and CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, which the
 tests use), for float32, float16 and bfloat16 inputs with float32 accumulation (float32 products in IEEE
-precision, not TF32). Each launch takes the first of :data:`TILES` whose shared memory its GPU holds.
+precision, not TF32). Each launch takes the first of its :func:`settings` whose shared memory its GPU holds.
 """
 
 import functools
 import importlib.util
 import logging
+import math
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -30,6 +32,9 @@ from torch import Tensor
 from kerple_core.attention.block_bias import BlockBias
 from kerple_core.attention.distance_bias import DistanceBlockBias
 from kerple_core.attention.layer_bias import LayerBlockBias
+
+#: ``log2(e)``: the kernels exponentiate in base 2 (:mod:`kerple_core.attention.fused_kernels`)
+LOG2E = math.log2(math.e)
 
 #: dtypes the kernel takes
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -163,13 +168,26 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: BlockBias, *, dropout: float =
                                  float(dropout), seed)
 
 
-def keep_mask(batch_heads: int, num_queries: int, num_keys: int, dropout: float, seed: int, device) -> Tensor:
-    """``[batch * heads, queries, keys]`` bool: the cells the kernel keeps under dropout ``dropout`` with
-    ``seed`` (the same stream as the kernel's; for tests)."""
+def dropout_threshold(dropout: float) -> int:
+    """The kernels keep a cell whose random byte is at least this: ``dropout`` rounded to a multiple of 1/256, as
+    FlashAttention-2's kernels round it (0.1 drops 26/256 = 10.16% of the cells)."""
+    return min(256, max(0, round(dropout * 256)))
+
+
+def keep_probability(dropout: float) -> float:
+    """The share of cells the kernels keep under ``dropout`` (kept cells are scaled by its inverse)."""
+    return (256 - dropout_threshold(dropout)) / 256
+
+
+def keep_mask(batch_heads: int, num_queries: int, num_keys: int, dropout: float, seed: int, device,
+              transposed: bool = False) -> Tensor:
+    """``[batch * heads, queries, keys]`` bool: the cells the kernels keep under dropout ``dropout`` with ``seed``
+    (the kernels' own stream, drawn as the forward draws it or, ``transposed``, as the backward does; for tests)."""
     out = torch.empty(batch_heads, num_queries, num_keys, dtype=torch.int8, device=device)
-    block = TILES[0].block
+    block = 64
     grid = (triton_cdiv(num_queries, block), triton_cdiv(num_keys, block), batch_heads)
-    kernels().keep_mask_kernel[grid](out, seed, num_keys, num_queries, dropout, BLOCK_M=block, BLOCK_N=block)
+    kernels().keep_mask_kernel[grid](out, seed, num_queries, num_keys, dropout_threshold(dropout),
+                                     TRANSPOSED=transposed, BLOCK_M=block, BLOCK_N=block)
     return out.bool()
 
 
@@ -177,20 +195,28 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def settings(name: str, head_dim: int, dtype: torch.dtype) -> Tuple[Tiles, ...]:
+    """Kernel ``name``'s launch settings for heads of ``head_dim`` dimensions (a power of two) in ``dtype``, the
+    preferred first; a launch takes the first whose shared memory its GPU holds."""
+    return TILES
+
+
 def launch(name: str, programs: int, batch_heads: int, device, args: tuple, constants: dict) -> None:
-    """Launch kernel ``name`` over ``programs`` tiles (of queries or keys) of ``batch_heads`` heads, with the first
-    of :data:`TILES`, from the last that fit these ``constants`` on ``device``, whose shared memory the GPU holds."""
+    """Launch kernel ``name`` over ``programs`` rows (queries or keys) of ``batch_heads`` heads, with the first of its
+    :func:`settings`, from the last that fit these ``constants`` on ``device``, whose shared memory the GPU holds."""
     from triton.runtime.errors import OutOfResources
     kernel = getattr(kernels(), name)
-    key = (name, str(device), *sorted(constants.items()))
-    for index in range(_fitting.get(key, 0), len(TILES)):
-        tiles = TILES[index]
+    dtype = args[0].dtype
+    candidates = settings(name, constants["BLOCK_D"], dtype)
+    key = (name, str(device), dtype, *sorted(constants.items()))
+    for index in range(_fitting.get(key, 0), len(candidates)):
+        tiles = candidates[index]
         try:
             kernel[(triton_cdiv(programs, tiles.block), batch_heads)](
                 *args, **constants, BLOCK_M=tiles.block, BLOCK_N=tiles.block, num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages)
         except OutOfResources:
-            if index == len(TILES) - 1:
+            if index == len(candidates) - 1:
                 raise
             continue
         _fitting[key] = index
@@ -201,83 +227,86 @@ def _placeholder(device) -> Tensor:
     return torch.zeros(1, dtype=torch.float32, device=device)
 
 
+def _contiguous_rows(x: Tensor) -> Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, values, weight, gates, padding, offset, window, dropout, seed):
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        if k.stride(-1) != 1:
-            k = k.contiguous()
-        if v.stride(-1) != 1:
-            v = v.contiguous()
+        q, k, v = _contiguous_rows(q), _contiguous_rows(k), _contiguous_rows(v)
         batch, heads, num_queries, head_dim = q.shape
         num_keys = k.size(2)
         placeholder = _placeholder(q.device)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(batch, heads, num_queries, dtype=torch.float32, device=q.device)
-        values = values.contiguous()
-        gates_in = placeholder if gates is None else gates.contiguous()
+        # base-2 tables and gates: the kernels exponentiate with exp2
+        tables = (values.detach() * LOG2E).contiguous(), \
+            placeholder if weight is None else (weight.detach() * LOG2E).contiguous()
+        gates_in = placeholder if gates is None else (gates.detach() * LOG2E).contiguous()
+        padding_in = placeholder if padding is None else padding
+        threshold = dropout_threshold(dropout)
+        keep_scale = 1.0 / keep_probability(dropout) if threshold < 256 else 0.0
+        limit = values.size(1) if window <= 0 else min(window, values.size(1))
         flags = dict(HAS_WEIGHT=weight is not None, HAS_GATES=gates is not None, HAS_PADDING=padding is not None,
-                     HAS_DROPOUT=dropout > 0, IEEE=q.dtype == torch.float32,
+                     HAS_DROPOUT=threshold > 0, IEEE=q.dtype == torch.float32,
                      UPCAST=interpreted() and q.dtype == torch.bfloat16,
                      BLOCK_D=max(16, _next_power_of_2(head_dim)), D=head_dim)
+        stream = (seed, threshold, keep_scale)
         launch("forward_kernel", num_queries, batch * heads, q.device, (
-            q, k, v, out, lse, values, placeholder if weight is None else weight.contiguous(), gates_in,
-            placeholder if padding is None else padding, seed, dropout,
+            q, k, v, out, lse, *tables, gates_in, padding_in, *stream,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            heads, num_queries, num_keys, values.size(1), offset, window), flags)
-        ctx.save_for_backward(q, k, v, out, lse, values, weight, gates_in, padding)
-        ctx.settings = (offset, window, dropout, seed, flags)
-        ctx.needs = (ctx.needs_input_grad[3] or ctx.needs_input_grad[4], gates is not None)
+            heads, num_queries, num_keys, values.size(1), offset, limit), flags)
+        ctx.save_for_backward(q, k, v, out, lse, *tables, gates_in, padding_in)
+        ctx.settings = (offset, limit, stream, flags)
+        ctx.needs = (ctx.needs_input_grad[3] or ctx.needs_input_grad[4], gates is not None, weight is not None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, values, weight, gates, padding = ctx.saved_tensors
-        offset, window, dropout, seed, flags = ctx.settings
-        bias_grad, has_gates = ctx.needs
-        grad_out = grad_out.contiguous()
+        offset, limit, stream, flags = ctx.settings
+        bias_grad, has_gates, has_weight = ctx.needs
+        grad_out = _contiguous_rows(grad_out)
         batch, heads, num_queries, head_dim = q.shape
         num_keys, num_distances = k.size(2), values.size(1)
         placeholder = _placeholder(q.device)
         delta = (grad_out.float() * out.float()).sum(-1).contiguous()
-        grad_q = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # added into by every key tile
         grad_k = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         grad_v = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        grad_key_gates = torch.zeros(batch, heads, num_keys, dtype=torch.float32, device=q.device) \
-            if has_gates else placeholder
-        grad_query_gates = torch.zeros(batch, heads, num_queries, dtype=torch.float32, device=q.device) \
-            if has_gates else placeholder
-        # the per-distance gradients: a row per program where that is small (summed below in a fixed order, so the
+
+        def gate_sums(length):
+            return torch.zeros(batch, heads, length, dtype=torch.float32, device=q.device) if has_gates else placeholder
+
+        grad_query_gates, grad_key_gates = gate_sums(num_queries), gate_sums(num_keys)
+        # the per-distance gradients: a row per key tile where that is small (summed below in a fixed order, so the
         # same inputs give the same gradient), else a row per head that the programs add to atomically
-        tiles = triton_cdiv(num_queries, min(t.block for t in TILES))
+        tiles = triton_cdiv(num_keys, min(t.block for t in settings("backward_kernel", flags["BLOCK_D"], q.dtype)))
         per_program = batch * heads * tiles * num_distances <= DETERMINISTIC_CELLS
         rows, row_strides = ((batch, heads, tiles), (heads * tiles, tiles, 1)) if per_program else ((heads,), (0, 1, 0))
         grad_values = values.new_zeros(*rows, num_distances) if bias_grad else placeholder
-        grad_weight = weight.new_zeros(*rows, num_distances) if bias_grad and weight is not None else placeholder
-        common = (values, placeholder if weight is None else weight, gates,
-                  placeholder if padding is None else padding, seed, dropout,
-                  q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                  v.stride(0), v.stride(1), v.stride(2),
-                  grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-                  heads, num_queries, num_keys, num_distances, offset, window)
-        launch("backward_keys_kernel", num_keys, batch * heads, q.device,
-               (q, k, v, grad_out, lse, delta, grad_k, grad_v, grad_key_gates, *common), flags)
-        launch("backward_queries_kernel", num_queries, batch * heads, q.device,
-               (q, k, v, grad_out, lse, delta, grad_q, grad_query_gates, grad_values, grad_weight, *row_strides,
-                *common),
-               dict(flags, BIAS_GRAD=bias_grad))
+        grad_weight = values.new_zeros(*rows, num_distances) if bias_grad and has_weight else placeholder
+        launch("backward_kernel", num_keys, batch * heads, q.device, (
+            q, k, v, grad_out, lse, delta, grad_q, grad_k, grad_v, grad_query_gates, grad_key_gates,
+            grad_values, grad_weight, *row_strides, values, weight, gates, padding, *stream,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+            heads, num_queries, num_keys, num_distances, offset, limit),
+            dict(flags, BIAS_GRAD=bias_grad, ROW_PER_PROGRAM=per_program))
+        if has_weight:
+            grad_q.mul_(1.0 / LOG2E)  # the kernel multiplied the base-2 weights
         grad_gates = None
         if has_gates:
             grad_gates = grad_key_gates
             grad_gates[..., offset:offset + num_queries] += grad_query_gates
         if per_program and bias_grad:
             grad_values = grad_values.sum((0, 2))
-            grad_weight = grad_weight.sum((0, 2)) if weight is not None else grad_weight
-        return (grad_q, grad_k, grad_v, grad_values if bias_grad else None,
-                grad_weight if bias_grad and weight is not None else None, grad_gates,
+            grad_weight = grad_weight.sum((0, 2)) if has_weight else grad_weight
+        return (grad_q.to(q.dtype), grad_k, grad_v, grad_values if bias_grad else None,
+                grad_weight if bias_grad and has_weight else None, grad_gates,
                 None, None, None, None, None)
 
 

@@ -1,26 +1,45 @@
 """The Triton kernels of the fused distance-bias attention (:mod:`kerple_core.attention.fused`).
 
-FlashAttention-2's tiling (Dao, "FlashAttention-2", 2023, §3): one program per tile of ``BLOCK_M`` queries
-of one head runs over the key tiles its queries see with an online softmax; the backward recomputes the
-probabilities from the saved log-sum-exp, one program per key tile for ``dK``, ``dV`` and the gates'
-column sums, one per query tile for ``dQ``, the gates' row sums and the per-distance gradients (each tile's logit
-gradients sheared so that its diagonals become columns, summed, and added with one atomic add per
-distance, into a row of the program's own, summed in a fixed order after the kernel, or of its head's).
+FlashAttention-2's structure (Dao, "FlashAttention-2", 2023, §3.1-3.2): the forward runs one program per tile of
+``BLOCK_M`` queries of one head over the key tiles its queries see, with an online softmax; the backward runs one
+program per tile of ``BLOCK_N`` keys over the query tiles that see them, recomputes each tile's probabilities
+from the saved log-sum-exp, keeps ``dK``, ``dV`` and the key gates' sums in registers and adds ``dQ`` and the query
+gates' sums into float32 buffers (relaxed atomic adds). The backward works on transposed tiles (keys x queries,
+as Triton's fused-attention tutorial does), so that no register tile is transposed.
 
 The logit of query ``t`` and key ``s`` (``d = offset + t - s`` positions apart) is
 
     ``x_ts = (q_t . k_s) * W(d) + B(d) + c[offset + t] - c[s]``
 
-with ``B`` and ``W`` read from float32 tables ``[heads, distances]`` (``W`` only for a weight kernel) and
-``c`` a per-key float32 state (the Forgetting Transformer's cumulative log forget gates), all in float32;
-``-inf`` where ``d < 0``, ``d >= window`` (a window of ``window`` keys, 0: none) or ``s`` is padding. Key
-tiles wholly in the future or wholly outside the window are never visited. Dropout keeps a cell where
-``tl.rand(seed + batch * heads + head, t * S + s) >= p`` (Philox, counter-based), so the backward
-regenerates the forward's mask and no mask is stored.
+with ``B`` and ``W`` read from float32 tables ``[heads, distances]`` (``W`` only for a weight kernel) and ``c`` a
+per-key float32 state (the Forgetting Transformer's cumulative log forget gates); ``-inf`` where ``d < 0``,
+``d >= limit`` (the table's length, or an attention window's) or ``s`` is padding. The kernels exponentiate in base
+2: the host scales ``B``, ``W`` and ``c`` by ``log2(e)`` (without a weight kernel, the scores are multiplied by it
+in the same fused multiply-add that adds ``B``), and the log-sum-exp is saved in base 2.
+
+Tiles wholly outside what their queries see are never visited; tiles wholly inside it (all but the diagonal's and
+a window's edge at long lengths) are computed without masks. Dropout follows FlashAttention-2: one 7-round
+Philox-4x32 draw gives 16 cells 8 random bits each, a cell kept where its byte is at least ``threshold``
+(``p`` rounded to a multiple of 1/256). The draw's counter is (the cell's group of 16 keys, its query, its head)
+and its key the call's seed, so the stream does not depend on the tiles, the backward regenerates the forward's
+cells, and no two heads or calls share one.
+
+The per-distance gradients of ``B`` (and ``W``) are the sums of the logits' gradients along each tile's diagonals.
+A key tile's program visits query tiles in order, each ``BLOCK`` distances further; a square tile's lower
+triangle (``t >= s`` within the tile) and the next tile's upper triangle fall on the same ``BLOCK`` distances, so
+each segment of distances is complete after two tiles and is written once, without atomics, into the program's
+own row (summed in a fixed order after the kernel), or added into its head's row.
+
+Offsets that can pass ``2 ** 31`` elements (a head's start in a long evaluation) are computed in 64 bits.
 """
+
+import math
 
 import triton
 import triton.language as tl
+
+#: ``log2(e)``: the kernels exponentiate in base 2
+LOG2E = tl.constexpr(math.log2(math.e))
 
 
 @triton.jit
@@ -36,73 +55,156 @@ def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _logits(q, k, bias_ptr, weight_ptr, gates_ptr, padding_ptr, b, h, t, s, T, S, N, offset, window,
-            HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
-            IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """The float32 logits ``[BLOCK_M, BLOCK_N]`` of queries ``t`` and keys ``s``, ``-inf`` where unseen, and
-    the scores ``q . k`` (a weight kernel's gradient reads them)."""
-    scores = _dot(q, tl.trans(k), IEEE, UPCAST)
-    d = offset + t[:, None] - s[None, :]
-    seen = (d >= 0) & (t[:, None] < T) & (s[None, :] < S) & (d < N)
-    if window > 0:
-        seen = seen & (d < window)
-    index = h * N + tl.where(seen, d, 0)
-    logits = scores
+def head_start(b, h, stride_b, stride_h):
+    """The offset, in 64 bits, of head ``h`` of batch element ``b`` of a ``[B, H, ...]`` tensor."""
+    return b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+
+
+@triton.jit
+def _tile(X, start, stride_row, num_rows, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr,
+          ROWS_MASKED: tl.constexpr):
+    """Rows ``start .. start + BLOCK`` of a head's ``[rows, D]`` matrix at ``X`` (its last dimension contiguous),
+    ``[BLOCK, BLOCK_D]``, 0 past ``num_rows`` rows (checked only where ``ROWS_MASKED``) and ``D`` dimensions."""
+    rows = tl.arange(0, BLOCK)
+    j = tl.arange(0, BLOCK_D)
+    pointers = X + tl.cast(start, tl.int64) * stride_row + rows[:, None] * stride_row + j[None, :]
+    if ROWS_MASKED:
+        return tl.load(pointers, mask=((start + rows)[:, None] < num_rows) & (j[None, :] < D), other=0.0)
+    elif D < BLOCK_D:
+        return tl.load(pointers, mask=j[None, :] < D, other=0.0)
+    else:
+        return tl.load(pointers)
+
+
+@triton.jit
+def _store_tile(X, start, stride_row, num_rows, value, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                D: tl.constexpr):
+    rows = tl.arange(0, BLOCK)
+    j = tl.arange(0, BLOCK_D)
+    tl.store(X + tl.cast(start, tl.int64) * stride_row + rows[:, None] * stride_row + j[None, :],
+             value.to(X.dtype.element_ty), mask=((start + rows)[:, None] < num_rows) & (j[None, :] < D))
+
+
+@triton.jit
+def _logits(scores, t, s, bias_row, weight_row, gates, padding, T, S, offset, limit, MASKED: tl.constexpr,
+            HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr):
+    """The base-2 logits of the cells of queries ``t`` and keys ``s`` (index tensors broadcast against each other:
+    ``[M, 1]`` and ``[1, N]``, or transposed), ``-inf`` where unseen, and the weights ``W(d)`` (weight kernel;
+    else the scalar ``log2(e)``). ``MASKED``: the tile may hold unseen cells (else only padding may be)."""
+    d = offset + t - s
+    if MASKED:
+        seen = (d >= 0) & (d < limit) & (t < T) & (s < S)
+        d = tl.where(seen, d, 0)
+    bias = tl.load(bias_row + d)
     if HAS_WEIGHT:
-        logits = logits * tl.load(weight_ptr + index, mask=seen, other=0.0)
-    logits = logits + tl.load(bias_ptr + index, mask=seen, other=0.0)
+        weight = tl.load(weight_row + d)
+    else:
+        weight = LOG2E
+    logits = scores * weight + bias
     if HAS_GATES:
-        c_query = tl.load(gates_ptr + offset + t, mask=t < T, other=0.0)
-        c_key = tl.load(gates_ptr + s, mask=s < S, other=0.0)
-        logits = logits + c_query[:, None] - c_key[None, :]
+        if MASKED:
+            logits += tl.load(gates + offset + t, mask=t < T, other=0.0) - tl.load(gates + s, mask=s < S, other=0.0)
+        else:
+            logits += tl.load(gates + offset + t) - tl.load(gates + s)
     if HAS_PADDING:
-        padded = tl.load(padding_ptr + b * S + s, mask=s < S, other=1)
-        seen = seen & (padded[None, :] == 0)
-    return tl.where(seen, logits, float("-inf")), scores, seen, d
+        not_padded = tl.load(padding + s, mask=s < S, other=1) == 0
+        if MASKED:
+            seen = seen & not_padded
+        else:
+            logits = tl.where(not_padded, logits, float("-inf"))
+    if MASKED:
+        logits = tl.where(seen, logits, float("-inf"))
+    return logits, weight
 
 
 @triton.jit
-def _rows(X, b, h, stride_b, stride_h, stride_row, rows, num_rows, j, D):
-    """The ``[len(rows), BLOCK_D]`` rows ``rows`` of head ``h`` of batch element ``b`` of ``X`` (``[B, H, R, D]``,
-    its last dimension contiguous), 0 past ``num_rows`` rows and ``D`` dimensions."""
-    return tl.load(X + b * stride_b + h * stride_h + rows[:, None] * stride_row + j[None, :],
-                   mask=(rows[:, None] < num_rows) & (j[None, :] < D), other=0.0)
+def _random_words(seed, bh, t, groups):
+    """Philox-4x32-7 keyed by ``seed`` at counters ``(group, query, head, 0)``: its four words, ``[..., 4]`` (``t`` and
+    ``groups`` broadcast against each other)."""
+    c0 = groups + t * 0
+    c1 = t + groups * 0
+    c2 = c0 * 0 + bh
+    r0, r1, r2, r3 = tl.philox(seed, c0, c1, c2, c2 * 0, n_rounds=7)
+    words = tl.join(tl.join(r0, r2), tl.join(r1, r3))  # [..., 2, 2]: word 2 i + j at [i, j]
+    return tl.reshape(words, words.shape[:-2] + [4])
 
 
 @triton.jit
-def _kept(seed, bh, t, s, S, p):
-    """Dropout's keep mask of cells ``(t, s)`` of head ``bh`` (batch * heads + head)."""
-    return tl.rand(seed + bh, t[:, None] * S + s[None, :]) >= p
+def kept(seed, bh, t, start, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``[BLOCK_M, BLOCK_N]``: dropout keeps cell (``t``, ``start + n``) of head ``bh``. Key ``16 g + 4 w + i``'s byte
+    is byte ``i`` of word ``w`` of group ``g``'s draw."""
+    groups = start // 16 + tl.arange(0, BLOCK_N // 16)
+    words = _random_words(seed, bh, t[:, None], groups[None, :])  # [M, G, 4]
+    random = (words[:, :, :, None] >> (8 * tl.arange(0, 4))[None, None, None, :]) & 255  # [M, G, 4, 4]
+    return tl.reshape(random, [BLOCK_M, BLOCK_N]).to(tl.int32) >= threshold
 
 
 @triton.jit
-def keep_mask_kernel(Out, seed, S, T, p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Writes the keep mask of one head (a test regenerates the forward's dropout with it)."""
+def kept_transposed(seed, bh, t, start, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``[BLOCK_N, BLOCK_M]``: :func:`kept`'s cells with the keys first."""
+    groups = start // 16 + tl.arange(0, BLOCK_N // 16)
+    words = _random_words(seed, bh, t[None, :], groups[:, None])  # [G, M, 4]
+    random = (words[:, :, :, None] >> (8 * tl.arange(0, 4))[None, None, None, :]) & 255  # [G, M, 4, 4]
+    return tl.reshape(tl.permute(random, (0, 2, 3, 1)), [BLOCK_N, BLOCK_M]).to(tl.int32) >= threshold
+
+
+@triton.jit
+def keep_mask_kernel(Out, seed, T, S, threshold, TRANSPOSED: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """Writes the cells dropout keeps in one head ``[T, S]`` (tests compare it with the kernels' dropout), computed in
+    the forward's orientation or, ``TRANSPOSED``, in the backward's."""
     m = tl.program_id(0)
     n = tl.program_id(1)
     bh = tl.program_id(2)
     t = m * BLOCK_M + tl.arange(0, BLOCK_M)
     s = n * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = _kept(seed, bh, t, s, S, p)
-    tl.store(Out + bh * T * S + t[:, None] * S + s[None, :], keep.to(tl.int8),
-             mask=(t[:, None] < T) & (s[None, :] < S))
+    out = Out + bh.to(tl.int64) * T * S
+    if TRANSPOSED:
+        keep = kept_transposed(seed, bh, t, n * BLOCK_N, threshold, BLOCK_M, BLOCK_N)
+        tl.store(out + t[None, :] * S + s[:, None], keep.to(tl.int8), mask=(t[None, :] < T) & (s[:, None] < S))
+    else:
+        keep = kept(seed, bh, t, n * BLOCK_N, threshold, BLOCK_M, BLOCK_N)
+        tl.store(out + t[:, None] * S + s[None, :], keep.to(tl.int8), mask=(t[:, None] < T) & (s[None, :] < S))
 
 
 @triton.jit
-def _key_range(first_query, last_query, offset, window, S, BLOCK_N: tl.constexpr):
-    """Key tiles ``[lo, hi)`` (in keys, ``lo`` a tile boundary) seen by queries ``first_query .. last_query``."""
-    hi = tl.minimum(S, offset + last_query + 1)
-    lo = 0
-    if window > 0:
-        lo = tl.maximum(0, offset + first_query - window + 1)
-        lo = (lo // BLOCK_N) * BLOCK_N
-    return lo, hi
+def _three_ranges(lo, hi, full_lo, full_hi):
+    """Tile starts ``[lo, hi)`` split as ``[lo, a)``, ``[a, b)``, ``[b, hi)``: ``[a, b)`` those wholly seen, within
+    ``[full_lo, full_hi)``."""
+    b = tl.maximum(full_hi, lo)
+    a = tl.minimum(tl.maximum(full_lo, lo), b)
+    return a, b
 
 
 @triton.jit
-def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, p,
+def _forward_tile(acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, weight_row, gates, padding,
+                  seed, bh, threshold, T, S, offset, limit, MASKED: tl.constexpr,
+                  HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
+                  HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    s = start + tl.arange(0, BLOCK_N)
+    k = _tile(K, start, sks, S, BLOCK_N, BLOCK_D, D, MASKED)
+    v = _tile(V, start, svs, S, BLOCK_N, BLOCK_D, D, MASKED)
+    logits, _ = _logits(_dot(q, tl.trans(k), IEEE, UPCAST), t[:, None], s[None, :], bias_row, weight_row, gates,
+                        padding, T, S, offset, limit, MASKED, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
+    new_max = tl.maximum(row_max, tl.max(logits, 1))
+    if MASKED or HAS_PADDING:
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that has seen nothing yet
+    else:
+        shift = new_max
+    rescale = tl.exp2(row_max - shift)
+    probabilities = tl.exp2(logits - shift[:, None])
+    row_sum = row_sum * rescale + tl.sum(probabilities, 1)
+    if HAS_DROPOUT:
+        probabilities = tl.where(kept(seed, bh, t, start, threshold, BLOCK_M, BLOCK_N), probabilities, 0.0)
+    acc = acc * rescale[:, None] + _dot(probabilities.to(v.dtype), v, IEEE, UPCAST)
+    return acc, new_max, row_sum
+
+
+@triton.jit
+def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, threshold, keep_scale,
                    sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sob, soh, sot,
-                   H, T, S, N, offset, window,
+                   H, T, S, N, offset, limit,
                    HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
                    HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
@@ -110,168 +212,202 @@ def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, p,
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    t = m * BLOCK_M + tl.arange(0, BLOCK_M)
-    j = tl.arange(0, BLOCK_D)
-    dims = j < D
-    q = _rows(Q, b, h, sqb, sqh, sqt, t, T, j, D)
-    gates = Gates + bh * S
+    first = m * BLOCK_M
+    t = first + tl.arange(0, BLOCK_M)
+    q = _tile(Q + head_start(b, h, sqb, sqh), first, sqt, T, BLOCK_M, BLOCK_D, D, True)
+    K += head_start(b, h, skb, skh)
+    V += head_start(b, h, svb, svh)
+    bias_row = Bias + h * N
+    weight_row = Weight + h * N
+    gates = Gates + bh.to(tl.int64) * S
+    padding = Padding + b.to(tl.int64) * S
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = _key_range(m * BLOCK_M, tl.minimum(m * BLOCK_M + BLOCK_M, T) - 1, offset, window, S, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
-        s = start + tl.arange(0, BLOCK_N)
-        k = _rows(K, b, h, skb, skh, sks, s, S, j, D)
-        v = _rows(V, b, h, svb, svh, svs, s, S, j, D)
-        logits, _, _, _ = _logits(q, k, Bias, Weight, gates, Padding, b, h, t, s, T, S, N, offset, window,
-                                  HAS_WEIGHT, HAS_GATES, HAS_PADDING, IEEE, UPCAST)
-        new_max = tl.maximum(row_max, tl.max(logits, 1))
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        scale = tl.exp(row_max - safe_max)
-        probabilities = tl.exp(logits - safe_max[:, None])
-        row_sum = row_sum * scale + tl.sum(probabilities, 1)
-        if HAS_DROPOUT:
-            probabilities = tl.where(_kept(seed, bh, t, s, S, p), probabilities / (1.0 - p), 0.0)
-        acc = acc * scale[:, None] + _dot(probabilities.to(v.dtype), v, IEEE, UPCAST)
-        row_max = new_max
+    # key tiles seen: from the window's first key to the last query's own; wholly seen: those after the last
+    # query's window starts and before the first query's own key, where the query tile is whole
+    last = tl.minimum(first + BLOCK_M, T) - 1
+    lo = tl.maximum(0, offset + first - limit + 1) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(S, offset + last + 1)
+    full_lo = tl.cdiv(tl.maximum(0, offset + first + BLOCK_M - limit), BLOCK_N) * BLOCK_N
+    full_hi = tl.where(first + BLOCK_M <= T, tl.minimum(offset + first + 1, S) // BLOCK_N * BLOCK_N, lo)
+    a, b_ = _three_ranges(lo, hi, full_lo, full_hi)
+    for start in range(lo, a, BLOCK_N):
+        acc, row_max, row_sum = _forward_tile(
+            acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, weight_row, gates, padding, seed, bh,
+            threshold, T, S, offset, limit, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING, HAS_DROPOUT, IEEE, UPCAST,
+            BLOCK_M, BLOCK_N, BLOCK_D, D)
+    for start in range(a, b_, BLOCK_N):
+        acc, row_max, row_sum = _forward_tile(
+            acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, weight_row, gates, padding, seed, bh,
+            threshold, T, S, offset, limit, False, HAS_WEIGHT, HAS_GATES, HAS_PADDING, HAS_DROPOUT, IEEE, UPCAST,
+            BLOCK_M, BLOCK_N, BLOCK_D, D)
+    for start in range(b_, hi, BLOCK_N):
+        acc, row_max, row_sum = _forward_tile(
+            acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, weight_row, gates, padding, seed, bh,
+            threshold, T, S, offset, limit, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING, HAS_DROPOUT, IEEE, UPCAST,
+            BLOCK_M, BLOCK_N, BLOCK_D, D)
     seen_any = row_sum > 0
-    out = acc / tl.where(seen_any, row_sum, 1.0)[:, None]
+    sums = tl.where(seen_any, row_sum, 1.0)
+    out = acc * (keep_scale / sums)[:, None]
     # a row that sees no key attends to nothing: its log-sum-exp is +inf, so its recomputed probabilities are 0
-    lse = tl.where(seen_any, row_max + tl.log(tl.where(seen_any, row_sum, 1.0)), float("inf"))
-    tl.store(Out + b * sob + h * soh + t[:, None] * sot + j[None, :], out.to(Out.dtype.element_ty),
-             mask=(t[:, None] < T) & dims[None, :])
-    tl.store(LSE + bh * T + t, lse, mask=t < T)
+    lse = tl.where(seen_any, row_max + tl.log2(sums), float("inf"))
+    _store_tile(Out + head_start(b, h, sob, soh), first, sot, T, out, BLOCK_M, BLOCK_D, D)
+    tl.store(LSE + bh.to(tl.int64) * T + t, lse, mask=t < T)
 
 
 @triton.jit
-def _probabilities_and_grad(q, k, v, do, lse, delta, Bias, Weight, gates, Padding, seed, p, b, h, bh, t, s,
-                            T, S, N, offset, window, HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr,
-                            HAS_PADDING: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """A tile's probabilities as attended (dropped and rescaled), the logits' gradient, the scores, which
-    cells are seen and their distances."""
-    logits, scores, seen, d = _logits(q, k, Bias, Weight, gates, Padding, b, h, t, s, T, S, N, offset, window,
-                                      HAS_WEIGHT, HAS_GATES, HAS_PADDING, IEEE, UPCAST)
-    probabilities = tl.exp(logits - lse[:, None])
-    grad_attended = _dot(do, tl.trans(v), IEEE, UPCAST)
+def _diagonal_segments(x, shear, wraps):
+    """``x`` ``[BLOCK, BLOCK]`` (keys x queries) summed along its diagonals, as two ``[BLOCK]`` segments of
+    distances: the upper triangle's (query before key within the tile: ``c - BLOCK``) and the lower's (``c``),
+    ``c`` the diagonal's query minus key, modulo ``BLOCK``."""
+    sheared = tl.gather(x, shear, 1)
+    upper = tl.sum(tl.where(wraps, sheared, 0.0), 0)
+    lower = tl.sum(tl.where(wraps, 0.0, sheared), 0)
+    return upper, lower
+
+
+@triton.jit
+def _backward_tile(grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ,
+                   grad_row, grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding,
+                   seed, bh, threshold, keep_scale, shear, wraps, T, S, N, offset, limit,
+                   MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr,
+                   HAS_PADDING: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                   BIAS_GRAD: tl.constexpr, ROW_PER_PROGRAM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    t = start + tl.arange(0, BLOCK_M)
+    q = _tile(Q, start, sqt, T, BLOCK_M, BLOCK_D, D, MASKED)
+    do = _tile(DO, start, sdt, T, BLOCK_M, BLOCK_D, D, MASKED)
+    if MASKED:
+        lse = tl.load(LSE + t, mask=t < T, other=float("inf"))
+        delta = tl.load(Delta + t, mask=t < T, other=0.0)
+    else:
+        lse = tl.load(LSE + t)
+        delta = tl.load(Delta + t)
+    scores = _dot(k, tl.trans(q), IEEE, UPCAST)  # [keys, queries]
+    logits, weight = _logits(scores, t[None, :], s[:, None], bias_row, weight_row, gates, padding, T, S, offset,
+                             limit, MASKED, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
+    probabilities = tl.exp2(logits - lse[None, :])
+    grad_attended = _dot(v, tl.trans(do), IEEE, UPCAST)
     attended = probabilities
     if HAS_DROPOUT:
-        kept = _kept(seed, bh, t, s, S, p)
-        attended = tl.where(kept, probabilities / (1.0 - p), 0.0)
-        grad_attended = tl.where(kept, grad_attended / (1.0 - p), 0.0)
-    grad_logits = probabilities * (grad_attended - delta[:, None])
-    return attended, grad_logits, scores, seen, d
+        keep = kept_transposed(seed, bh, t, n_start, threshold, BLOCK_M, BLOCK_N)
+        attended = tl.where(keep, probabilities, 0.0)
+        grad_attended = tl.where(keep, grad_attended * keep_scale, 0.0)
+    grad_v += _dot(attended.to(do.dtype), do, IEEE, UPCAST)
+    grad_logits = probabilities * (grad_attended - delta[None, :])
+    if HAS_WEIGHT:
+        grad_scores = grad_logits * weight  # base 2: the host divides dQ and dK by log2(e)
+    else:
+        grad_scores = grad_logits
+    grad_k += _dot(grad_scores.to(q.dtype), q, IEEE, UPCAST)
+    j = tl.arange(0, BLOCK_D)
+    grad_q = _dot(tl.trans(k), grad_scores.to(k.dtype), IEEE, UPCAST)  # [dims, queries]
+    tl.atomic_add(DQ + t[None, :].to(tl.int64) * D + j[:, None], grad_q, mask=(t[None, :] < T) & (j[:, None] < D),
+                  sem="relaxed")
+    if HAS_GATES:
+        tl.atomic_add(DGateQ + t, tl.sum(grad_logits, 0), mask=t < T, sem="relaxed")
+        grad_key_gates -= tl.sum(grad_logits, 1)
+    if BIAS_GRAD:
+        # distances offset + t - s: this tile's upper triangle completes the segment the previous tile's lower began
+        segment = offset + start - n_start - BLOCK_M + tl.arange(0, BLOCK_M)
+        upper, lower = _diagonal_segments(grad_logits, shear, wraps)
+        _add_segment(grad_row, segment, carry_bias + upper, N, ROW_PER_PROGRAM)
+        carry_bias = lower
+        if HAS_WEIGHT:
+            upper, lower = _diagonal_segments(grad_logits * scores, shear, wraps)
+            _add_segment(grad_weight_row, segment, carry_weight + upper, N, ROW_PER_PROGRAM)
+            carry_weight = lower
+    return grad_k, grad_v, grad_key_gates, carry_bias, carry_weight
 
 
 @triton.jit
-def backward_keys_kernel(Q, K, V, DO, LSE, Delta, DK, DV, DGateKeys, Bias, Weight, Gates, Padding, seed, p,
-                         sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sdb, sdh, sdt,
-                         H, T, S, N, offset, window,
-                         HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
-                         HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+def _add_segment(row, distances, values, N, ROW_PER_PROGRAM: tl.constexpr):
+    """Adds ``values`` at ``distances`` (those in ``[0, N)``) of a per-distance gradient's row: written once where the
+    row is the program's own, added atomically (relaxed) where it is its head's."""
+    inside = (distances >= 0) & (distances < N)
+    if ROW_PER_PROGRAM:
+        tl.store(row + distances, values, mask=inside)
+    else:
+        tl.atomic_add(row + distances, values, mask=inside, sem="relaxed")
+
+
+@triton.jit
+def backward_kernel(Q, K, V, DO, LSE, Delta, DQ, DK, DV, DGateQ, DGateK, DBias, DWeight, sgb, sgh, sgn,
+                    Bias, Weight, Gates, Padding, seed, threshold, keep_scale,
+                    sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sdb, sdh, sdt,
+                    H, T, S, N, offset, limit,
+                    HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
+                    HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BIAS_GRAD: tl.constexpr,
+                    ROW_PER_PROGRAM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    tl.static_assert(BLOCK_M == BLOCK_N)  # a tile's triangles make whole segments of distances
     n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    s = n * BLOCK_N + tl.arange(0, BLOCK_N)
-    j = tl.arange(0, BLOCK_D)
-    dims = j < D
-    key_mask = (s[:, None] < S) & dims[None, :]
-    k = _rows(K, b, h, skb, skh, sks, s, S, j, D)
-    v = _rows(V, b, h, svb, svh, svs, s, S, j, D)
-    gates = Gates + bh * S
+    n_start = n * BLOCK_N
+    s = n_start + tl.arange(0, BLOCK_N)
+    k = _tile(K + head_start(b, h, skb, skh), n_start, sks, S, BLOCK_N, BLOCK_D, D, True)
+    v = _tile(V + head_start(b, h, svb, svh), n_start, svs, S, BLOCK_N, BLOCK_D, D, True)
+    Q += head_start(b, h, sqb, sqh)
+    DO += head_start(b, h, sdb, sdh)
+    rows = bh.to(tl.int64) * T
+    LSE += rows
+    Delta += rows
+    DGateQ += rows
+    DQ += rows * D
+    bias_row = Bias + h * N
+    weight_row = Weight + h * N
+    gates = Gates + bh.to(tl.int64) * S
+    padding = Padding + b.to(tl.int64) * S
+    grad_row = DBias + (b.to(tl.int64) * sgb + h * sgh + n * sgn) * N
+    grad_weight_row = DWeight + (b.to(tl.int64) * sgb + h * sgh + n * sgn) * N
+    # cell (key i, query shear[i, c]) of a tile lies c positions (modulo BLOCK) from the diagonal; wraps: above it
+    i = tl.arange(0, BLOCK_N)[:, None]
+    c = tl.arange(0, BLOCK_M)[None, :]
+    shear = (i + c) % BLOCK_M
+    wraps = i + c >= BLOCK_M
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_key_gates = tl.zeros([BLOCK_N], tl.float32)
-    # queries that see these keys: from the first at or after the tile's first key, to the last whose window
-    # still holds the tile's last key
-    first = tl.maximum(0, n * BLOCK_N - offset)
-    last = T
-    if window > 0:
-        last = tl.minimum(T, n * BLOCK_N + BLOCK_N - 1 + window - offset)
-    for start in range((first // BLOCK_M) * BLOCK_M, last, BLOCK_M):
-        t = start + tl.arange(0, BLOCK_M)
-        q = _rows(Q, b, h, sqb, sqh, sqt, t, T, j, D)
-        do = _rows(DO, b, h, sdb, sdh, sdt, t, T, j, D)
-        lse = tl.load(LSE + bh * T + t, mask=t < T, other=float("inf"))
-        delta = tl.load(Delta + bh * T + t, mask=t < T, other=0.0)
-        attended, grad_logits, scores, seen, d = _probabilities_and_grad(
-            q, k, v, do, lse, delta, Bias, Weight, gates, Padding, seed, p, b, h, bh, t, s, T, S, N, offset, window,
-            HAS_WEIGHT, HAS_GATES, HAS_PADDING, HAS_DROPOUT, IEEE, UPCAST)
-        grad_scores = grad_logits
+    carry_bias = tl.zeros([BLOCK_M], tl.float32)
+    carry_weight = tl.zeros([BLOCK_M], tl.float32)
+    # query tiles that see these keys: from the first at or after the tile's first key to the last whose window
+    # still holds its last key; wholly: from the first at or after its last key, where the key tile is whole
+    lo = tl.maximum(0, n_start - offset) // BLOCK_M * BLOCK_M
+    hi = tl.minimum(T, n_start + BLOCK_N - 1 + limit - offset)
+    full_lo = tl.cdiv(tl.maximum(0, n_start + BLOCK_N - 1 - offset), BLOCK_M) * BLOCK_M
+    full_hi = tl.where(n_start + BLOCK_N <= S, tl.minimum(T, limit - offset + n_start) // BLOCK_M * BLOCK_M, lo)
+    a, b_ = _three_ranges(lo, hi, full_lo, full_hi)
+    for start in range(lo, a, BLOCK_M):
+        grad_k, grad_v, grad_key_gates, carry_bias, carry_weight = _backward_tile(
+            grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ, grad_row,
+            grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding, seed, bh, threshold,
+            keep_scale, shear, wraps, T, S, N, offset, limit, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
+            HAS_DROPOUT, IEEE, UPCAST, BIAS_GRAD, ROW_PER_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_D, D)
+    for start in range(a, b_, BLOCK_M):
+        grad_k, grad_v, grad_key_gates, carry_bias, carry_weight = _backward_tile(
+            grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ, grad_row,
+            grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding, seed, bh, threshold,
+            keep_scale, shear, wraps, T, S, N, offset, limit, False, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
+            HAS_DROPOUT, IEEE, UPCAST, BIAS_GRAD, ROW_PER_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_D, D)
+    for start in range(b_, hi, BLOCK_M):
+        grad_k, grad_v, grad_key_gates, carry_bias, carry_weight = _backward_tile(
+            grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ, grad_row,
+            grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding, seed, bh, threshold,
+            keep_scale, shear, wraps, T, S, N, offset, limit, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
+            HAS_DROPOUT, IEEE, UPCAST, BIAS_GRAD, ROW_PER_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_D, D)
+    if BIAS_GRAD:  # the last tile's lower triangle
+        last = lo + tl.maximum(tl.cdiv(hi - lo, BLOCK_M) - 1, 0) * BLOCK_M
+        segment = offset + last - n_start + tl.arange(0, BLOCK_M)
+        _add_segment(grad_row, segment, carry_bias, N, ROW_PER_PROGRAM)
         if HAS_WEIGHT:
-            grad_scores = grad_logits * tl.load(Weight + h * N + tl.where(seen, d, 0), mask=seen, other=0.0)
-        grad_v += _dot(tl.trans(attended.to(do.dtype)), do, IEEE, UPCAST)
-        grad_k += _dot(tl.trans(grad_scores.to(q.dtype)), q, IEEE, UPCAST)
-        if HAS_GATES:
-            grad_key_gates -= tl.sum(grad_logits, 0)
-    tl.store(DK + bh * S * D + s[:, None] * D + j[None, :], grad_k.to(DK.dtype.element_ty), mask=key_mask)
-    tl.store(DV + bh * S * D + s[:, None] * D + j[None, :], grad_v.to(DV.dtype.element_ty), mask=key_mask)
+            _add_segment(grad_weight_row, segment, carry_weight, N, ROW_PER_PROGRAM)
+    if HAS_WEIGHT:
+        grad_k = grad_k * (1.0 / LOG2E)
+    grad_start = bh.to(tl.int64) * S * D
+    _store_tile(DK + grad_start, n_start, D, S, grad_k, BLOCK_N, BLOCK_D, D)
+    _store_tile(DV + grad_start, n_start, D, S, grad_v * keep_scale, BLOCK_N, BLOCK_D, D)
     if HAS_GATES:
-        tl.store(DGateKeys + bh * S + s, grad_key_gates, mask=s < S)
-
-
-@triton.jit
-def _diagonal_sums(x, column, on_tile):
-    """``[BLOCK_M + BLOCK_N]``: the sums of ``x`` ``[BLOCK_M, BLOCK_N]`` along its diagonals, sheared into columns."""
-    return tl.sum(tl.where(on_tile, tl.gather(x, column, 1), 0.0), 0)
-
-
-@triton.jit
-def backward_queries_kernel(Q, K, V, DO, LSE, Delta, DQ, DGateQueries, DBias, DWeight, sgb, sgh, sgm,
-                            Bias, Weight, Gates, Padding, seed, p,
-                            sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sdb, sdh, sdt,
-                            H, T, S, N, offset, window,
-                            HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
-                            HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BIAS_GRAD: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
-    m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    t = m * BLOCK_M + tl.arange(0, BLOCK_M)
-    j = tl.arange(0, BLOCK_D)
-    dims = j < D
-    rows = (t[:, None] < T) & dims[None, :]
-    q = _rows(Q, b, h, sqb, sqh, sqt, t, T, j, D)
-    do = _rows(DO, b, h, sdb, sdh, sdt, t, T, j, D)
-    lse = tl.load(LSE + bh * T + t, mask=t < T, other=float("inf"))
-    delta = tl.load(Delta + bh * T + t, mask=t < T, other=0.0)
-    gates = Gates + bh * S
-    grad_q = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    grad_query_gates = tl.zeros([BLOCK_M], tl.float32)
-    # cell (i, column[i, c]) of a tile lies on its diagonal c (i - j = c - (BLOCK_N - 1)); square tiles of a power
-    # of two have 2 BLOCK_M - 1 diagonals, one fewer than the power of two tl.arange needs
-    tl.static_assert(BLOCK_M == BLOCK_N)
-    diagonal = tl.arange(0, BLOCK_M + BLOCK_N)
-    column = tl.arange(0, BLOCK_M)[:, None] - diagonal[None, :] + BLOCK_N - 1
-    on_tile = (column >= 0) & (column < BLOCK_N)
-    column = tl.where(on_tile, column, 0)
-    lo, hi = _key_range(m * BLOCK_M, tl.minimum(m * BLOCK_M + BLOCK_M, T) - 1, offset, window, S, BLOCK_N)
-    # this program's row of the per-distance gradients: its own (deterministic sums) or its head's (atomic)
-    grad_row = (b * sgb + h * sgh + m * sgm) * N
-    for start in range(lo, hi, BLOCK_N):
-        s = start + tl.arange(0, BLOCK_N)
-        k = _rows(K, b, h, skb, skh, sks, s, S, j, D)
-        v = _rows(V, b, h, svb, svh, svs, s, S, j, D)
-        attended, grad_logits, scores, seen, d = _probabilities_and_grad(
-            q, k, v, do, lse, delta, Bias, Weight, gates, Padding, seed, p, b, h, bh, t, s, T, S, N, offset, window,
-            HAS_WEIGHT, HAS_GATES, HAS_PADDING, HAS_DROPOUT, IEEE, UPCAST)
-        grad_scores = grad_logits
-        if HAS_WEIGHT:
-            grad_scores = grad_logits * tl.load(Weight + h * N + tl.where(seen, d, 0), mask=seen, other=0.0)
-        if BIAS_GRAD:
-            # the tile's diagonals summed, one atomic add per distance: d = offset + t0 - s0 + c - (BLOCK_N - 1)
-            distances = offset + m * BLOCK_M - start + diagonal - (BLOCK_N - 1)
-            adds = (diagonal < BLOCK_M + BLOCK_N - 1) & (distances >= 0) & (distances < N)
-            tl.atomic_add(DBias + grad_row + distances, _diagonal_sums(tl.where(seen, grad_logits, 0.0), column, on_tile),
-                          mask=adds)
-            if HAS_WEIGHT:
-                tl.atomic_add(DWeight + grad_row + distances,
-                              _diagonal_sums(tl.where(seen, grad_logits * scores, 0.0), column, on_tile), mask=adds)
-        grad_q += _dot(grad_scores.to(k.dtype), k, IEEE, UPCAST)
-        if HAS_GATES:
-            grad_query_gates += tl.sum(grad_logits, 1)
-    tl.store(DQ + bh * T * D + t[:, None] * D + j[None, :], grad_q.to(DQ.dtype.element_ty), mask=rows)
-    if HAS_GATES:
-        tl.store(DGateQueries + bh * T + t, grad_query_gates, mask=t < T)
+        tl.store(DGateK + bh.to(tl.int64) * S + s, grad_key_gates, mask=s < S)
