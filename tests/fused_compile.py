@@ -4,7 +4,8 @@ binary, no device needed), as the backend launches them, and report each launch 
     python tests/fused_compile.py --dtype float16 --head-dim 128 --arch 80 --limits 166912 101376 [--plain]
 
 The launches are recorded from the backend's own forward and backward (:func:`kerple_core.attention.fused.launch`
-replaced by a recorder, so nothing runs): every flag on (a weight kernel, gates, padding, dropout), or, with
+replaced by a recorder, so nothing runs) and compiled as Triton compiles them at launch
+(:mod:`gpu_tools.cross_compile`): every flag on (a weight kernel, gates, padding, dropout), or, with
 ``--plain``, every flag off. For each of :data:`~kerple_core.attention.fused.TILES` in turn, every recorded
 kernel is compiled for ``sm_ARCH``, until, for each of ``--limits`` (bytes of shared memory a block), settings
 whose kernels all fit. Prints JSON: ``{"fits": {limit: index or null}, "tried": [[index, {kernel: shared bytes}],
@@ -13,50 +14,28 @@ whose kernels all fit. Prints JSON: ``{"fits": {limit: index or null}, "tried": 
 
 import argparse
 import json
-import os
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's gpu_tools
+from gpu_tools.cross_compile import check_compiler, compile_launch, recorded  # noqa: E402
+
 
 def recorded_launches(dtype, head_dim, plain):
-    """``[(kernel name, args, constants)]`` of one forward and backward of the backend."""
+    """The :class:`~gpu_tools.cross_compile.Launch` of each kernel of one forward and backward of the backend."""
     from kerple_core.attention import fused
-    launches = []
-    fused.launch = lambda name, programs, batch_heads, device, args, constants: \
-        launches.append((name, args, constants))
     q, k, v = (torch.randn(1, 2, 8, head_dim, dtype=dtype).requires_grad_() for _ in range(3))
     values = torch.randn(2, 8, requires_grad=True)
     weight = None if plain else torch.randn(2, 8, requires_grad=True)
     gates = None if plain else torch.randn(1, 2, 8, requires_grad=True)
     padding = None if plain else torch.zeros(1, 8, dtype=torch.int8)
-    out = fused._FusedAttention.apply(q, k, v, values, weight, gates, padding, 0, 0, 0.0 if plain else 0.1, 3)
-    out.float().sum().backward()
-    return launches
-
-
-POINTERS = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int8: "*i8"}
-
-
-def compiled_shared_memory(name, args, constants, tiles, arch):
-    """The shared memory a block of kernel ``name`` takes, compiled for ``sm_ARCH`` with ``tiles``."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from kerple_core.attention.fused import kernels
-    kernel = getattr(kernels(), name)
-    constants = dict(constants, UPCAST=False, BLOCK_M=tiles.block, BLOCK_N=tiles.block)  # UPCAST: the interpreter's
-    signature = {}
-    for arg_name, value in zip(kernel.arg_names, args):
-        if isinstance(value, torch.Tensor):
-            signature[arg_name] = POINTERS[value.dtype]
-        else:
-            signature[arg_name] = "fp32" if isinstance(value, float) else "i32"
-    signature.update({constant: "constexpr" for constant in constants})
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                              target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
-    return compiled.metadata.shared
+    with recorded(fused, fused.kernels()) as launches:
+        out = fused._FusedAttention.apply(q, k, v, values, weight, gates, padding, 0, 0, 0.0 if plain else 0.1, 3)
+        out.float().sum().backward()
+    # UPCAST: the interpreter's
+    return [launch._replace(constants=dict(launch.constants, UPCAST=False)) for launch in launches]
 
 
 def main():
@@ -68,17 +47,17 @@ def main():
                    help="shared memory a block may take, in bytes: one for each GPU of this architecture's binary")
     p.add_argument("--plain", action="store_true", help="every flag off")
     args = p.parse_args()
-    assert os.environ.get("TRITON_INTERPRET", "0") != "1", "compiling needs Triton's compiler, not its interpreter"
+    check_compiler()
     from kerple_core.attention.fused import TILES
     launches = recorded_launches(getattr(torch, args.dtype), args.head_dim, args.plain)
-    # the backward over keys first: the most shared memory, so a setting too large is refused at once
-    launches.sort(key=lambda launch: launch[0] != "backward_keys_kernel")
+    # the backward first: the most shared memory, so a setting too large is refused at once
+    launches.sort(key=lambda launch: not launch.name.startswith("backward"))
     tried, fits = [], {limit: None for limit in args.limits}
     for index, tiles in enumerate(TILES):
         shared = {}
-        for name, launch_args, constants in launches:
-            shared[name] = compiled_shared_memory(name, launch_args, constants, tiles, args.arch)
-            if shared[name] > max(limit for limit, fit in fits.items() if fit is None):
+        for launch in launches:
+            shared[launch.name] = compile_launch(launch, tiles, args.arch).metadata.shared
+            if shared[launch.name] > max(limit for limit, fit in fits.items() if fit is None):
                 break  # too large for every GPU still without settings
         tried.append([index, shared])
         if len(shared) == len(launches):
