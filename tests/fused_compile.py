@@ -6,10 +6,10 @@ binary, no device needed), as the backend launches them, and report each launch 
 The launches are recorded from the backend's own forward and backward (:func:`kerple_core.attention.fused.launch`
 replaced by a recorder, so nothing runs) and compiled as Triton compiles them at launch
 (:mod:`gpu_tools.cross_compile`): every flag on (a weight kernel, gates, padding, dropout), or, with
-``--plain``, every flag off. For each of :data:`~kerple_core.attention.fused.TILES` in turn, every recorded
-kernel is compiled for ``sm_ARCH``, until, for each of ``--limits`` (bytes of shared memory a block), settings
-whose kernels all fit. Prints JSON: ``{"fits": {limit: index or null}, "tried": [[index, {kernel: shared bytes}],
-...]}``. Run in its own process, without ``TRITON_INTERPRET``, which the test process sets.
+``--plain``, every flag off. Each recorded kernel is compiled for ``sm_ARCH`` with each of its launch settings
+(:func:`kerple_core.attention.fused.settings`) in turn, until, for each of ``--limits`` (bytes of shared memory a
+block), one fits. Prints JSON: ``{"fits": {kernel: {limit: index or null}}, "tried": {kernel: [[index, shared
+bytes], ...]}}``. Run in its own process, without ``TRITON_INTERPRET``, which the test process sets.
 """
 
 import argparse
@@ -26,11 +26,12 @@ from gpu_tools.cross_compile import check_compiler, compile_launch, recorded  # 
 def recorded_launches(dtype, head_dim, plain):
     """The :class:`~gpu_tools.cross_compile.Launch` of each kernel of one forward and backward of the backend."""
     from kerple_core.attention import fused
-    q, k, v = (torch.randn(1, 2, 8, head_dim, dtype=dtype).requires_grad_() for _ in range(3))
-    values = torch.randn(2, 8, requires_grad=True)
-    weight = None if plain else torch.randn(2, 8, requires_grad=True)
-    gates = None if plain else torch.randn(1, 2, 8, requires_grad=True)
-    padding = None if plain else torch.zeros(1, 8, dtype=torch.int8)
+    length = 256  # a multiple of 16, as a training length is: Triton specializes on it
+    q, k, v = (torch.randn(1, 2, length, head_dim, dtype=dtype).requires_grad_() for _ in range(3))
+    values = torch.randn(2, length, requires_grad=True)
+    weight = None if plain else torch.randn(2, length, requires_grad=True)
+    gates = None if plain else torch.randn(1, 2, length, requires_grad=True)
+    padding = None if plain else torch.zeros(1, length, dtype=torch.int8)
     with recorded(fused, fused.kernels()) as launches:
         out = fused._FusedAttention.apply(q, k, v, values, weight, gates, padding, 0, 0, 0.0 if plain else 0.1, 3)
         out.float().sum().backward()
@@ -48,24 +49,20 @@ def main():
     p.add_argument("--plain", action="store_true", help="every flag off")
     args = p.parse_args()
     check_compiler()
-    from kerple_core.attention.fused import TILES
-    launches = recorded_launches(getattr(torch, args.dtype), args.head_dim, args.plain)
-    # the backward first: the most shared memory, so a setting too large is refused at once
-    launches.sort(key=lambda launch: not launch.name.startswith("backward"))
-    tried, fits = [], {limit: None for limit in args.limits}
-    for index, tiles in enumerate(TILES):
-        shared = {}
-        for launch in launches:
-            shared[launch.name] = compile_launch(launch, tiles, args.arch).metadata.shared
-            if shared[launch.name] > max(limit for limit, fit in fits.items() if fit is None):
-                break  # too large for every GPU still without settings
-        tried.append([index, shared])
-        if len(shared) == len(launches):
-            for limit, fit in fits.items():
-                if fit is None and max(shared.values()) <= limit:
-                    fits[limit] = index
-        if all(fit is not None for fit in fits.values()):
-            break
+    from kerple_core.attention.fused import settings
+    dtype = getattr(torch, args.dtype)
+    fits, tried = {}, {}
+    for launch in recorded_launches(dtype, args.head_dim, args.plain):
+        fits[launch.name] = {limit: None for limit in args.limits}
+        tried[launch.name] = []
+        for index, tiles in enumerate(settings(launch.name, launch.constants["BLOCK_D"], dtype)):
+            shared = compile_launch(launch, tiles, args.arch).metadata.shared
+            tried[launch.name].append([index, shared])
+            for limit, fit in fits[launch.name].items():
+                if fit is None and shared <= limit:
+                    fits[launch.name][limit] = index
+            if None not in fits[launch.name].values():
+                break
     print(json.dumps({"fits": fits, "tried": tried}))
 
 

@@ -98,9 +98,10 @@ def test_fused_equals_the_explicit_path_with_gradients_for_every_method(name, va
 
 @pytest.mark.parametrize("name", ["kerple_bias_wht", "fox"])
 def test_the_smallest_tiles_attend_as_the_explicit_path(name, monkeypatch):
-    """The launch settings a GPU with little shared memory takes (32 x 32 tiles, one stage), in blocks under a
-    window: a weight kernel, and gates."""
-    monkeypatch.setattr(fused, "settings", lambda name, block_d, dtype: (fused.Tiles(32, 4, 1),))
+    """The launch settings a GPU with little shared memory takes (each kernel's last: the smallest tiles, one stage),
+    in blocks under a window: a weight kernel, and gates."""
+    every = fused.settings
+    monkeypatch.setattr(fused, "settings", lambda name, block_d, dtype: every(name, block_d, dtype)[-1:])
     monkeypatch.setattr(fused, "_fitting", {})
     check_model(name, "window")
 
@@ -445,7 +446,8 @@ def test_a_launch_takes_the_first_settings_its_gpu_holds_and_remembers_them(monk
 
     monkeypatch.setattr(fused, "kernels", lambda: types.SimpleNamespace(forward_kernel=Kernel()))
     monkeypatch.setattr(fused, "_fitting", {})
-    candidates = (fused.Tiles(64, 4, 3), fused.Tiles(64, 4, 2), fused.Tiles(64, 4, 1), fused.Tiles(32, 4, 2))
+    candidates = (fused.Tiles(64, 64, 4, 3), fused.Tiles(64, 64, 4, 2), fused.Tiles(64, 64, 4, 1),
+                  fused.Tiles(32, 32, 4, 2))
     monkeypatch.setattr(fused, "settings", lambda name, block_d, dtype: candidates)
     cpu = torch.device("cpu")
     q = torch.zeros(1, dtype=torch.float16)

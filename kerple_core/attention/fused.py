@@ -43,24 +43,35 @@ MAX_HEAD_DIM = 128
 
 
 class Tiles(NamedTuple):
-    """A launch's settings: square tiles of ``block`` queries and ``block`` keys, Triton's ``num_warps`` and
+    """A launch's settings: tiles of ``block_m`` queries and ``block_n`` keys, Triton's ``num_warps`` and
     ``num_stages`` (the loads its loops pipeline: each stage holds its tiles in shared memory)."""
 
-    block: int
+    block_m: int
+    block_n: int
     num_warps: int
     num_stages: int
 
 
-#: launch settings, from the most pipelined to the least shared memory. A launch takes the first whose shared
-#: memory its GPU holds (Triton's OutOfResources refuses the others before they run). Compiled for each GPU
-#: on a CPU (tests/test_fused_attention.py), with 128-dimensional heads: float16 and bfloat16 take the first on
-#: an H100 or H200 (sm_90, 227 KiB a block), the second on an A100 (sm_80, 163 KiB) and the third on sm_86 and
-#: sm_89 GPUs (99 KiB); float32, the second, the third and the fourth.
-TILES = (Tiles(64, 4, 3), Tiles(64, 4, 2), Tiles(64, 4, 1), Tiles(32, 4, 2), Tiles(32, 4, 1))
-#: the most cells (batch x heads x query tiles x distances) of the per-distance gradients summed per program in a
+#: each kernel's launch settings, the preferred first: a launch takes the first whose shared memory its GPU holds
+#: (Triton's OutOfResources refuses the others before they run). The backward's key tiles hold two query tiles, which
+#: halves its per-tile temporaries; with 128-dimensional heads it runs 8 warps, which keeps its registers from
+#: spilling. Chosen from their machine code's cost under a throughput model of an H100 SM and their spills
+#: (``python -m gpu_tools.kernel_cost``, docs/performance.md).
+FALLBACK = {
+    "forward_kernel": (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 1)),
+    "backward_kernel": (Tiles(32, 64, 4, 2), Tiles(32, 64, 4, 1), Tiles(16, 32, 4, 1)),
+}
+#: the settings of a kernel, head width (a power of two) and input size (bytes) that differ from :data:`FALLBACK`'s
+SETTINGS = {
+    ("backward_kernel", 64, 2): (Tiles(32, 64, 4, 3), *FALLBACK["backward_kernel"]),
+    ("backward_kernel", 128, 2): (Tiles(32, 64, 8, 2), Tiles(32, 64, 8, 1), Tiles(16, 32, 4, 1)),
+}
+#: the rows (queries or keys) each program of a kernel takes: the forward's a query tile, the backward's a key tile
+PROGRAM_ROWS = {"forward_kernel": "block_m", "backward_kernel": "block_n"}
+#: the most cells (batch x heads x key tiles x distances) of the per-distance gradients summed per program in a
 #: fixed order (deterministic, 64 MiB of float32); beyond it the programs add into a row per head atomically
 DETERMINISTIC_CELLS = 2 ** 24
-#: per kernel, device and compile-time constants: the index in :data:`TILES` of the first settings that fit
+#: per kernel, device, dtype and compile-time constants: the index in its :func:`settings` of the first that fit
 _fitting = {}
 
 logger = logging.getLogger(__name__)
@@ -197,8 +208,9 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def settings(name: str, head_dim: int, dtype: torch.dtype) -> Tuple[Tiles, ...]:
     """Kernel ``name``'s launch settings for heads of ``head_dim`` dimensions (a power of two) in ``dtype``, the
-    preferred first; a launch takes the first whose shared memory its GPU holds."""
-    return TILES
+    preferred first (:data:`SETTINGS`, else :data:`FALLBACK`); a launch takes the first whose shared memory its GPU
+    holds."""
+    return SETTINGS.get((name, head_dim, dtype.itemsize), FALLBACK[name])
 
 
 def launch(name: str, programs: int, batch_heads: int, device, args: tuple, constants: dict) -> None:
@@ -212,8 +224,8 @@ def launch(name: str, programs: int, batch_heads: int, device, args: tuple, cons
     for index in range(_fitting.get(key, 0), len(candidates)):
         tiles = candidates[index]
         try:
-            kernel[(triton_cdiv(programs, tiles.block), batch_heads)](
-                *args, **constants, BLOCK_M=tiles.block, BLOCK_N=tiles.block, num_warps=tiles.num_warps,
+            kernel[(triton_cdiv(programs, getattr(tiles, PROGRAM_ROWS[name])), batch_heads)](
+                *args, **constants, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages)
         except OutOfResources:
             if index == len(candidates) - 1:
@@ -284,7 +296,7 @@ class _FusedAttention(torch.autograd.Function):
         grad_query_gates, grad_key_gates = gate_sums(num_queries), gate_sums(num_keys)
         # the per-distance gradients: a row per key tile where that is small (summed below in a fixed order, so the
         # same inputs give the same gradient), else a row per head that the programs add to atomically
-        tiles = triton_cdiv(num_keys, min(t.block for t in settings("backward_kernel", flags["BLOCK_D"], q.dtype)))
+        tiles = triton_cdiv(num_keys, min(t.block_n for t in settings("backward_kernel", flags["BLOCK_D"], q.dtype)))
         per_program = batch * heads * tiles * num_distances <= DETERMINISTIC_CELLS
         rows, row_strides = ((batch, heads, tiles), (heads * tiles, tiles, 1)) if per_program else ((heads,), (0, 1, 0))
         grad_values = values.new_zeros(*rows, num_distances) if bias_grad else placeholder

@@ -257,14 +257,38 @@ def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, thresh
 
 
 @triton.jit
-def _diagonal_segments(x, shear, wraps):
-    """``x`` ``[BLOCK, BLOCK]`` (keys x queries) summed along its diagonals, as two ``[BLOCK]`` segments of
-    distances: the upper triangle's (query before key within the tile: ``c - BLOCK``) and the lower's (``c``),
-    ``c`` the diagonal's query minus key, modulo ``BLOCK``."""
-    sheared = tl.gather(x, shear, 1)
-    upper = tl.sum(tl.where(wraps, sheared, 0.0), 0)
-    lower = tl.sum(tl.where(wraps, 0.0, sheared), 0)
-    return upper, lower
+def _diagonal_segments(x, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``x`` ``[BLOCK_N, BLOCK_M]`` (keys x queries, ``BLOCK_N`` one or two ``BLOCK_M``) summed along its diagonals,
+    as three ``[BLOCK_M]`` segments of distances: ``c - 2 BLOCK_M``, ``c - BLOCK_M`` and ``c`` (``c`` in ``[0,
+    BLOCK_M)``) from the distance of the tile's first key and first query (the first, zeros for a square tile)."""
+    i = tl.arange(0, BLOCK_N)[:, None]
+    c = tl.arange(0, BLOCK_M)[None, :]
+    within = i % BLOCK_M + c  # cell (key i, query within % BLOCK_M) is c - BLOCK_M * (i // BLOCK_M + wraps) apart
+    sheared = tl.gather(x, within % BLOCK_M, 1)
+    back = i // BLOCK_M + (within >= BLOCK_M)
+    near = tl.sum(tl.where(back == 0, sheared, 0.0), 0)
+    if BLOCK_N == BLOCK_M:
+        far = tl.zeros([BLOCK_M], tl.float32)
+    else:
+        far = tl.sum(tl.where(back == 2, sheared, 0.0), 0)
+    return far, tl.sum(sheared, 0) - near - far, near
+
+
+@triton.jit
+def _carried(row, segments, carry, base, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+             ROW_PER_PROGRAM: tl.constexpr):
+    """Adds the segment of distances a query tile completes (``base - BLOCK_N + [0, BLOCK_M)``, ``base`` the distance
+    of its first key and first query) and returns what is carried to the next query tiles: the segments this tile
+    began (``(far, middle)`` carried: the next ``BLOCK_N / BLOCK_M`` segments' sums so far)."""
+    far, middle, near = segments
+    first, second = carry
+    rows = tl.arange(0, BLOCK_M)
+    if BLOCK_N == BLOCK_M:
+        _add_segment(row, base - BLOCK_M + rows, first + middle, N, ROW_PER_PROGRAM)
+        return near, second
+    else:
+        _add_segment(row, base - 2 * BLOCK_M + rows, first + far, N, ROW_PER_PROGRAM)
+        return second + middle, near
 
 
 @triton.jit
@@ -309,15 +333,13 @@ def _backward_tile(grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, 
         tl.atomic_add(DGateQ + t, tl.sum(grad_logits, 0), mask=t < T, sem="relaxed")
         grad_key_gates -= tl.sum(grad_logits, 1)
     if BIAS_GRAD:
-        # distances offset + t - s: this tile's upper triangle completes the segment the previous tile's lower began
-        segment = offset + start - n_start - BLOCK_M + tl.arange(0, BLOCK_M)
-        upper, lower = _diagonal_segments(grad_logits, shear, wraps)
-        _add_segment(grad_row, segment, carry_bias + upper, N, ROW_PER_PROGRAM)
-        carry_bias = lower
+        # distances offset + t - s: each query tile completes the segment the tiles before it began
+        base = offset + start - n_start
+        carry_bias = _carried(grad_row, _diagonal_segments(grad_logits, BLOCK_N, BLOCK_M), carry_bias, base, N,
+                              BLOCK_N, BLOCK_M, ROW_PER_PROGRAM)
         if HAS_WEIGHT:
-            upper, lower = _diagonal_segments(grad_logits * scores, shear, wraps)
-            _add_segment(grad_weight_row, segment, carry_weight + upper, N, ROW_PER_PROGRAM)
-            carry_weight = lower
+            carry_weight = _carried(grad_weight_row, _diagonal_segments(grad_logits * scores, BLOCK_N, BLOCK_M),
+                                    carry_weight, base, N, BLOCK_N, BLOCK_M, ROW_PER_PROGRAM)
     return grad_k, grad_v, grad_key_gates, carry_bias, carry_weight
 
 
@@ -341,7 +363,7 @@ def backward_kernel(Q, K, V, DO, LSE, Delta, DQ, DK, DV, DGateQ, DGateK, DBias, 
                     HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BIAS_GRAD: tl.constexpr,
                     ROW_PER_PROGRAM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
-    tl.static_assert(BLOCK_M == BLOCK_N)  # a tile's triangles make whole segments of distances
+    tl.static_assert((BLOCK_N == BLOCK_M) | (BLOCK_N == 2 * BLOCK_M))  # whole segments of distances
     n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -371,8 +393,9 @@ def backward_kernel(Q, K, V, DO, LSE, Delta, DQ, DK, DV, DGateQ, DGateK, DBias, 
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_key_gates = tl.zeros([BLOCK_N], tl.float32)
-    carry_bias = tl.zeros([BLOCK_M], tl.float32)
-    carry_weight = tl.zeros([BLOCK_M], tl.float32)
+    nothing = tl.zeros([BLOCK_M], tl.float32)
+    carry_bias = (nothing, nothing)
+    carry_weight = (nothing, nothing)
     # query tiles that see these keys: from the first at or after the tile's first key to the last whose window
     # still holds its last key; wholly: from the first at or after its last key, where the key tile is whole
     lo = tl.maximum(0, n_start - offset) // BLOCK_M * BLOCK_M
@@ -398,12 +421,16 @@ def backward_kernel(Q, K, V, DO, LSE, Delta, DQ, DK, DV, DGateQ, DGateK, DBias, 
             grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding, seed, bh, threshold,
             keep_scale, shear, wraps, T, S, N, offset, limit, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
             HAS_DROPOUT, IEEE, UPCAST, BIAS_GRAD, ROW_PER_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_D, D)
-    if BIAS_GRAD:  # the last tile's lower triangle
+    if BIAS_GRAD:  # the segments the last query tile began
         last = lo + tl.maximum(tl.cdiv(hi - lo, BLOCK_M) - 1, 0) * BLOCK_M
-        segment = offset + last - n_start + tl.arange(0, BLOCK_M)
-        _add_segment(grad_row, segment, carry_bias, N, ROW_PER_PROGRAM)
+        base = offset + last - n_start + tl.arange(0, BLOCK_M)
+        _add_segment(grad_row, base - (BLOCK_N - BLOCK_M), carry_bias[0], N, ROW_PER_PROGRAM)
+        if BLOCK_N != BLOCK_M:
+            _add_segment(grad_row, base, carry_bias[1], N, ROW_PER_PROGRAM)
         if HAS_WEIGHT:
-            _add_segment(grad_weight_row, segment, carry_weight, N, ROW_PER_PROGRAM)
+            _add_segment(grad_weight_row, base - (BLOCK_N - BLOCK_M), carry_weight[0], N, ROW_PER_PROGRAM)
+            if BLOCK_N != BLOCK_M:
+                _add_segment(grad_weight_row, base, carry_weight[1], N, ROW_PER_PROGRAM)
     if HAS_WEIGHT:
         grad_k = grad_k * (1.0 / LOG2E)
     grad_start = bh.to(tl.int64) * S * D
