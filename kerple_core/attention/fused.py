@@ -253,7 +253,8 @@ class _FusedAttention(torch.autograd.Function):
         placeholder = _placeholder(q.device)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(batch, heads, num_queries, dtype=torch.float32, device=q.device)
-        # base-2 tables and gates: the kernels exponentiate with exp2
+        # base-2 tables and gates: the kernels exponentiate with exp2; the forward reads the tables from the last
+        # distance to the first (its addresses then rise along a tile's keys), the backward from the first
         tables = (values.detach() * LOG2E).contiguous(), \
             placeholder if weight is None else (weight.detach() * LOG2E).contiguous()
         gates_in = placeholder if gates is None else (gates.detach() * LOG2E).contiguous()
@@ -267,7 +268,7 @@ class _FusedAttention(torch.autograd.Function):
                      BLOCK_D=max(16, _next_power_of_2(head_dim)), D=head_dim)
         stream = (seed, threshold, keep_scale)
         launch("forward_kernel", num_queries, batch * heads, q.device, (
-            q, k, v, out, lse, *tables, gates_in, padding_in, *stream,
+            q, k, v, out, lse, *(table.flip(-1) for table in tables), gates_in, padding_in, *stream,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
             heads, num_queries, num_keys, values.size(1), offset, limit), flags)

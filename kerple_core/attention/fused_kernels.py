@@ -87,17 +87,22 @@ def _store_tile(X, start, stride_row, num_rows, value, BLOCK: tl.constexpr, BLOC
 
 @triton.jit
 def _logits(scores, t, s, bias_row, weight_row, gates, padding, T, S, offset, limit, MASKED: tl.constexpr,
-            HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr):
+            REVERSED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr):
     """The base-2 logits of the cells of queries ``t`` and keys ``s`` (index tensors broadcast against each other:
     ``[M, 1]`` and ``[1, N]``, or transposed), ``-inf`` where unseen, and the weights ``W(d)`` (weight kernel;
-    else the scalar ``log2(e)``). ``MASKED``: the tile may hold unseen cells (else only padding may be)."""
+    else the scalar ``log2(e)``). ``MASKED``: the tile may hold unseen cells (else only padding may be).
+    ``REVERSED``: the rows point at the last value of tables stored from the last distance to the first."""
     d = offset + t - s
+    if REVERSED:
+        index = s - t - offset  # -d: rising along the keys, so the compiler sees consecutive addresses
+    else:
+        index = d
     if MASKED:
         seen = (d >= 0) & (d < limit) & (t < T) & (s < S)
-        d = tl.where(seen, d, 0)
-    bias = tl.load(bias_row + d)
+        index = tl.where(seen, index, 0)
+    bias = tl.load(bias_row + index)
     if HAS_WEIGHT:
-        weight = tl.load(weight_row + d)
+        weight = tl.load(weight_row + index)
     else:
         weight = LOG2E
     logits = scores * weight + bias
@@ -186,7 +191,7 @@ def _forward_tile(acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, 
     k = _tile(K, start, sks, S, BLOCK_N, BLOCK_D, D, MASKED)
     v = _tile(V, start, svs, S, BLOCK_N, BLOCK_D, D, MASKED)
     logits, _ = _logits(_dot(q, tl.trans(k), IEEE, UPCAST), t[:, None], s[None, :], bias_row, weight_row, gates,
-                        padding, T, S, offset, limit, MASKED, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
+                        padding, T, S, offset, limit, MASKED, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
     new_max = tl.maximum(row_max, tl.max(logits, 1))
     if MASKED or HAS_PADDING:
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that has seen nothing yet
@@ -217,8 +222,8 @@ def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, thresh
     q = _tile(Q + head_start(b, h, sqb, sqh), first, sqt, T, BLOCK_M, BLOCK_D, D, True)
     K += head_start(b, h, skb, skh)
     V += head_start(b, h, svb, svh)
-    bias_row = Bias + h * N
-    weight_row = Weight + h * N
+    bias_row = Bias + h * N + N - 1  # the tables from the last distance to the first: B(d) at -d
+    weight_row = Weight + h * N + N - 1
     gates = Gates + bh.to(tl.int64) * S
     padding = Padding + b.to(tl.int64) * S
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -263,7 +268,7 @@ def _diagonal_segments(x, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     BLOCK_M)``) from the distance of the tile's first key and first query (the first, zeros for a square tile)."""
     i = tl.arange(0, BLOCK_N)[:, None]
     c = tl.arange(0, BLOCK_M)[None, :]
-    within = i % BLOCK_M + c  # cell (key i, query within % BLOCK_M) is c - BLOCK_M * (i // BLOCK_M + wraps) apart
+    within = i % BLOCK_M + c  # cell (key i, query within % BLOCK_M): c - BLOCK_M * back from the first's distance
     sheared = tl.gather(x, within % BLOCK_M, 1)
     back = i // BLOCK_M + (within >= BLOCK_M)
     near = tl.sum(tl.where(back == 0, sheared, 0.0), 0)
@@ -294,7 +299,7 @@ def _carried(row, segments, carry, base, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.c
 @triton.jit
 def _backward_tile(grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ,
                    grad_row, grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding,
-                   seed, bh, threshold, keep_scale, shear, wraps, T, S, N, offset, limit,
+                   seed, bh, threshold, keep_scale, T, S, N, offset, limit,
                    MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr,
                    HAS_PADDING: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                    BIAS_GRAD: tl.constexpr, ROW_PER_PROGRAM: tl.constexpr,
@@ -310,7 +315,7 @@ def _backward_tile(grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, 
         delta = tl.load(Delta + t)
     scores = _dot(k, tl.trans(q), IEEE, UPCAST)  # [keys, queries]
     logits, weight = _logits(scores, t[None, :], s[:, None], bias_row, weight_row, gates, padding, T, S, offset,
-                             limit, MASKED, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
+                             limit, MASKED, False, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
     probabilities = tl.exp2(logits - lse[None, :])
     grad_attended = _dot(v, tl.trans(do), IEEE, UPCAST)
     attended = probabilities
@@ -385,11 +390,6 @@ def backward_kernel(Q, K, V, DO, LSE, Delta, DQ, DK, DV, DGateQ, DGateK, DBias, 
     padding = Padding + b.to(tl.int64) * S
     grad_row = DBias + (b.to(tl.int64) * sgb + h * sgh + n * sgn) * N
     grad_weight_row = DWeight + (b.to(tl.int64) * sgb + h * sgh + n * sgn) * N
-    # cell (key i, query shear[i, c]) of a tile lies c positions (modulo BLOCK) from the diagonal; wraps: above it
-    i = tl.arange(0, BLOCK_N)[:, None]
-    c = tl.arange(0, BLOCK_M)[None, :]
-    shear = (i + c) % BLOCK_M
-    wraps = i + c >= BLOCK_M
     grad_k = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_v = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     grad_key_gates = tl.zeros([BLOCK_N], tl.float32)
@@ -407,19 +407,19 @@ def backward_kernel(Q, K, V, DO, LSE, Delta, DQ, DK, DV, DGateQ, DGateK, DBias, 
         grad_k, grad_v, grad_key_gates, carry_bias, carry_weight = _backward_tile(
             grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ, grad_row,
             grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding, seed, bh, threshold,
-            keep_scale, shear, wraps, T, S, N, offset, limit, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
+            keep_scale, T, S, N, offset, limit, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
             HAS_DROPOUT, IEEE, UPCAST, BIAS_GRAD, ROW_PER_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_D, D)
     for start in range(a, b_, BLOCK_M):
         grad_k, grad_v, grad_key_gates, carry_bias, carry_weight = _backward_tile(
             grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ, grad_row,
             grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding, seed, bh, threshold,
-            keep_scale, shear, wraps, T, S, N, offset, limit, False, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
+            keep_scale, T, S, N, offset, limit, False, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
             HAS_DROPOUT, IEEE, UPCAST, BIAS_GRAD, ROW_PER_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_D, D)
     for start in range(b_, hi, BLOCK_M):
         grad_k, grad_v, grad_key_gates, carry_bias, carry_weight = _backward_tile(
             grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ, grad_row,
             grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding, seed, bh, threshold,
-            keep_scale, shear, wraps, T, S, N, offset, limit, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
+            keep_scale, T, S, N, offset, limit, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
             HAS_DROPOUT, IEEE, UPCAST, BIAS_GRAD, ROW_PER_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_D, D)
     if BIAS_GRAD:  # the segments the last query tile began
         last = lo + tl.maximum(tl.cdiv(hi - lo, BLOCK_M) - 1, 0) * BLOCK_M
