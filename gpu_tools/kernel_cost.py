@@ -180,7 +180,7 @@ def report(arch: int, head_dim: int, dtype: torch.dtype, dropout: float, cases: 
                 continue
             identity = (launch.name, tuple(sorted(launch.constants.items())))
             if identity not in compiled:
-                candidates = fused.settings(launch.name, launch.constants["BLOCK_D"], dtype)
+                candidates = fused.settings(launch.name, launch.constants["BLOCK_D"], dtype, arch // 10)
                 tiles, kernel = cross_compile.first_fitting(launch, candidates, arch)
                 compiled[identity] = dict(kernel_cost(kernel, tiles, arch, launch.name), case=CASES[key].label)
                 tiles_of.setdefault(direction, tiles)

@@ -55,7 +55,7 @@ def main():
     for launch in recorded_launches(dtype, args.head_dim, args.plain):
         fits[launch.name] = {limit: None for limit in args.limits}
         tried[launch.name] = []
-        for index, tiles in enumerate(settings(launch.name, launch.constants["BLOCK_D"], dtype)):
+        for index, tiles in enumerate(settings(launch.name, launch.constants["BLOCK_D"], dtype, args.arch // 10)):
             shared = compile_launch(launch, tiles, args.arch).metadata.shared
             tried[launch.name].append([index, shared])
             for limit, fit in fits[launch.name].items():

@@ -101,7 +101,7 @@ def test_the_smallest_tiles_attend_as_the_explicit_path(name, monkeypatch):
     """The launch settings a GPU with little shared memory takes (each kernel's last: the smallest tiles, one stage),
     in blocks under a window: a weight kernel, and gates."""
     every = fused.settings
-    monkeypatch.setattr(fused, "settings", lambda name, block_d, dtype: every(name, block_d, dtype)[-1:])
+    monkeypatch.setattr(fused, "settings", lambda *kernel: every(*kernel)[-1:])
     monkeypatch.setattr(fused, "_fitting", {})
     check_model(name, "window")
 
@@ -448,7 +448,7 @@ def test_a_launch_takes_the_first_settings_its_gpu_holds_and_remembers_them(monk
     monkeypatch.setattr(fused, "_fitting", {})
     candidates = (fused.Tiles(64, 64, 4, 3), fused.Tiles(64, 64, 4, 2), fused.Tiles(64, 64, 4, 1),
                   fused.Tiles(32, 32, 4, 2))
-    monkeypatch.setattr(fused, "settings", lambda name, block_d, dtype: candidates)
+    monkeypatch.setattr(fused, "settings", lambda *kernel: candidates)
     cpu = torch.device("cpu")
     q = torch.zeros(1, dtype=torch.float16)
     fused.launch("forward_kernel", 100, 6, cpu, (q,), {"BLOCK_D": 16})
@@ -462,7 +462,7 @@ def test_a_launch_takes_the_first_settings_its_gpu_holds_and_remembers_them(monk
     launched.clear()
     fused.launch("forward_kernel", 100, 6, cpu, (q.float(),), {"BLOCK_D": 16})
     assert launched[0] == ((2, 6), 64, 3), "another dtype is another kernel: from the first settings again"
-    monkeypatch.setattr(fused, "settings", lambda name, block_d, dtype: candidates[:2])
+    monkeypatch.setattr(fused, "settings", lambda *kernel: candidates[:2])
     with pytest.raises(OutOfResources):
         fused.launch("forward_kernel", 100, 6, cpu, (q,), {"BLOCK_D": 64})
 
@@ -476,23 +476,25 @@ SHARED_MEMORY = {"sm_90": 232448, "sm_80": 166912, "sm_86": 101376}
 @pytest.mark.slow
 @pytest.mark.cross_compile
 @pytest.mark.parametrize("dtype, head_dim, arch, plain, fits", [
-    ("float16", 128, 90, False, {"sm_90": 0}),
-    ("float16", 128, 80, False, {"sm_80": 1, "sm_86": 2}),
-    ("bfloat16", 128, 80, False, {"sm_80": 1, "sm_86": 2}),
-    ("float16", 64, 90, True, {"sm_90": 0}),
-    ("float32", 128, 90, False, {"sm_90": 1}),
-    ("float32", 128, 80, False, {"sm_80": 2, "sm_86": 3}),
+    ("float16", 128, 90, False, {"sm_90": (0, 0)}),
+    ("float16", 128, 80, False, {"sm_80": (0, 0), "sm_86": (0, 0)}),
+    ("bfloat16", 128, 80, False, {"sm_80": (0, 0), "sm_86": (0, 0)}),
+    ("float16", 64, 90, True, {"sm_90": (0, 0)}),
+    ("float32", 128, 90, False, {"sm_90": (0, 0)}),
+    ("float32", 128, 80, False, {"sm_80": (0, 0), "sm_86": (1, 2)}),
 ])
 def test_the_kernels_compile_for_each_gpu_within_its_shared_memory(dtype, head_dim, arch, plain, fits):
     """Triton compiles every kernel the backend launches (every flag on, or off) down to the GPU's binary
-    without a GPU; the first launch settings whose shared memory each GPU holds are those :data:`fused.TILES`
-    says (a launch that needs more is refused by Triton before it runs, and the next settings taken)."""
+    without a GPU; the first of each kernel's launch settings whose shared memory each GPU holds (the forward's,
+    the backward's index in :func:`fused.settings`) is the one named here (a launch that needs more is refused by
+    Triton before it runs, and the next settings taken)."""
     limits = [SHARED_MEMORY[gpu] for gpu in fits]
     proc = run([sys.executable, REPO / "tests" / "fused_compile.py", "--dtype", dtype, "--head-dim", head_dim,
                 "--arch", arch, "--limits", *limits, *(["--plain"] if plain else [])],
                env={**os.environ, "TRITON_INTERPRET": "0"})
     result = json.loads(proc.stdout.splitlines()[-1])
-    assert result["fits"] == {str(SHARED_MEMORY[gpu]): index for gpu, index in fits.items()}, result
+    assert result["fits"] == {kernel: {str(SHARED_MEMORY[gpu]): indexes[which] for gpu, indexes in fits.items()}
+                              for which, kernel in enumerate(["forward_kernel", "backward_kernel"])}, result
 
 
 @pytest.mark.parametrize("name", ["kerple_log", "fox"])

@@ -66,6 +66,11 @@ SETTINGS = {
     ("backward_kernel", 64, 2): (Tiles(32, 64, 4, 3), *FALLBACK["backward_kernel"]),
     ("backward_kernel", 128, 2): (Tiles(32, 64, 8, 2), Tiles(32, 64, 8, 1), Tiles(16, 32, 4, 1)),
 }
+#: the settings that differ on GPUs before Hopper (compute capability 8: ``mma.sync`` tensor cores), where the backward
+#: with 128-dimensional heads in 2 stages compiles to 32 registers a thread and spills 13 KB (sm_80, both warp counts)
+BEFORE_HOPPER = {
+    ("backward_kernel", 128, 2): (Tiles(32, 64, 8, 1), Tiles(16, 32, 4, 2), Tiles(16, 32, 4, 1)),
+}
 #: the rows (queries or keys) each program of a kernel takes: the forward's a query tile, the backward's a key tile
 PROGRAM_ROWS = {"forward_kernel": "block_m", "backward_kernel": "block_n"}
 #: the most cells (batch x heads x key tiles x distances) of the per-distance gradients summed per program in a
@@ -206,11 +211,19 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def settings(name: str, head_dim: int, dtype: torch.dtype) -> Tuple[Tiles, ...]:
-    """Kernel ``name``'s launch settings for heads of ``head_dim`` dimensions (a power of two) in ``dtype``, the
-    preferred first (:data:`SETTINGS`, else :data:`FALLBACK`); a launch takes the first whose shared memory its GPU
-    holds."""
-    return SETTINGS.get((name, head_dim, dtype.itemsize), FALLBACK[name])
+def settings(name: str, head_dim: int, dtype: torch.dtype, major: int = 9) -> Tuple[Tiles, ...]:
+    """Kernel ``name``'s launch settings for heads of ``head_dim`` dimensions (a power of two) in ``dtype`` on a GPU of
+    compute capability ``major`` (Triton's interpreter: 9), the preferred first (:data:`BEFORE_HOPPER`,
+    :data:`SETTINGS`, else :data:`FALLBACK`); a launch takes the first whose shared memory its GPU holds."""
+    key = (name, head_dim, dtype.itemsize)
+    if major < 9 and key in BEFORE_HOPPER:
+        return BEFORE_HOPPER[key]
+    return SETTINGS.get(key, FALLBACK[name])
+
+
+def capability_major(device) -> int:
+    """The compute capability's major of a CUDA ``device`` (the interpreter's CPU: 9, as Hopper's)."""
+    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 9
 
 
 def launch(name: str, programs: int, batch_heads: int, device, args: tuple, constants: dict) -> None:
@@ -219,7 +232,7 @@ def launch(name: str, programs: int, batch_heads: int, device, args: tuple, cons
     from triton.runtime.errors import OutOfResources
     kernel = getattr(kernels(), name)
     dtype = args[0].dtype
-    candidates = settings(name, constants["BLOCK_D"], dtype)
+    candidates = settings(name, constants["BLOCK_D"], dtype, capability_major(device))
     key = (name, str(device), dtype, *sorted(constants.items()))
     for index in range(_fitting.get(key, 0), len(candidates)):
         tiles = candidates[index]
@@ -297,7 +310,8 @@ class _FusedAttention(torch.autograd.Function):
         grad_query_gates, grad_key_gates = gate_sums(num_queries), gate_sums(num_keys)
         # the per-distance gradients: a row per key tile where that is small (summed below in a fixed order, so the
         # same inputs give the same gradient), else a row per head that the programs add to atomically
-        tiles = triton_cdiv(num_keys, min(t.block_n for t in settings("backward_kernel", flags["BLOCK_D"], q.dtype)))
+        tiles = triton_cdiv(num_keys, min(t.block_n for t in settings("backward_kernel", flags["BLOCK_D"], q.dtype,
+                                                                      capability_major(q.device))))
         per_program = batch * heads * tiles * num_distances <= DETERMINISTIC_CELLS
         rows, row_strides = ((batch, heads, tiles), (heads * tiles, tiles, 1)) if per_program else ((heads,), (0, 1, 0))
         grad_values = values.new_zeros(*rows, num_distances) if bias_grad else placeholder
