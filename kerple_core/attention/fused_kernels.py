@@ -237,21 +237,13 @@ def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, thresh
     full_lo = tl.cdiv(tl.maximum(0, offset + first + BLOCK_M - limit), BLOCK_N) * BLOCK_N
     full_hi = tl.where(first + BLOCK_M <= T, tl.minimum(offset + first + 1, S) // BLOCK_N * BLOCK_N, lo)
     a, b_ = _three_ranges(lo, hi, full_lo, full_hi)
-    for start in range(lo, a, BLOCK_N):
-        acc, row_max, row_sum = _forward_tile(
-            acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, weight_row, gates, padding, seed, bh,
-            threshold, T, S, offset, limit, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING, HAS_DROPOUT, IEEE, UPCAST,
-            BLOCK_M, BLOCK_N, BLOCK_D, D)
-    for start in range(a, b_, BLOCK_N):
-        acc, row_max, row_sum = _forward_tile(
-            acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, weight_row, gates, padding, seed, bh,
-            threshold, T, S, offset, limit, False, HAS_WEIGHT, HAS_GATES, HAS_PADDING, HAS_DROPOUT, IEEE, UPCAST,
-            BLOCK_M, BLOCK_N, BLOCK_D, D)
-    for start in range(b_, hi, BLOCK_N):
-        acc, row_max, row_sum = _forward_tile(
-            acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, weight_row, gates, padding, seed, bh,
-            threshold, T, S, offset, limit, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING, HAS_DROPOUT, IEEE, UPCAST,
-            BLOCK_M, BLOCK_N, BLOCK_D, D)
+    for part in tl.static_range(3):  # [lo, a) and [b_, hi) masked, [a, b_) not
+        for start in range(lo if part == 0 else (a if part == 1 else b_), a if part == 0 else (b_ if part == 1 else hi),
+                           BLOCK_N):
+            acc, row_max, row_sum = _forward_tile(
+                acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, weight_row, gates, padding, seed, bh,
+                threshold, T, S, offset, limit, part != 1, HAS_WEIGHT, HAS_GATES, HAS_PADDING, HAS_DROPOUT, IEEE,
+                UPCAST, BLOCK_M, BLOCK_N, BLOCK_D, D)
     seen_any = row_sum > 0
     sums = tl.where(seen_any, row_sum, 1.0)
     out = acc * (keep_scale / sums)[:, None]
@@ -403,24 +395,14 @@ def backward_kernel(Q, K, V, DO, LSE, Delta, DQ, DK, DV, DGateQ, DGateK, DBias, 
     full_lo = tl.cdiv(tl.maximum(0, n_start + BLOCK_N - 1 - offset), BLOCK_M) * BLOCK_M
     full_hi = tl.where(n_start + BLOCK_N <= S, tl.minimum(T, limit - offset + n_start) // BLOCK_M * BLOCK_M, lo)
     a, b_ = _three_ranges(lo, hi, full_lo, full_hi)
-    for start in range(lo, a, BLOCK_M):
-        grad_k, grad_v, grad_key_gates, carry_bias, carry_weight = _backward_tile(
-            grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ, grad_row,
-            grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding, seed, bh, threshold,
-            keep_scale, T, S, N, offset, limit, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
-            HAS_DROPOUT, IEEE, UPCAST, BIAS_GRAD, ROW_PER_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_D, D)
-    for start in range(a, b_, BLOCK_M):
-        grad_k, grad_v, grad_key_gates, carry_bias, carry_weight = _backward_tile(
-            grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ, grad_row,
-            grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding, seed, bh, threshold,
-            keep_scale, T, S, N, offset, limit, False, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
-            HAS_DROPOUT, IEEE, UPCAST, BIAS_GRAD, ROW_PER_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_D, D)
-    for start in range(b_, hi, BLOCK_M):
-        grad_k, grad_v, grad_key_gates, carry_bias, carry_weight = _backward_tile(
-            grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ, grad_row,
-            grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding, seed, bh, threshold,
-            keep_scale, T, S, N, offset, limit, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
-            HAS_DROPOUT, IEEE, UPCAST, BIAS_GRAD, ROW_PER_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_D, D)
+    for part in tl.static_range(3):  # [lo, a) and [b_, hi) masked, [a, b_) not
+        for start in range(lo if part == 0 else (a if part == 1 else b_), a if part == 0 else (b_ if part == 1 else hi),
+                           BLOCK_M):
+            grad_k, grad_v, grad_key_gates, carry_bias, carry_weight = _backward_tile(
+                grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ,
+                grad_row, grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding, seed, bh,
+                threshold, keep_scale, T, S, N, offset, limit, part != 1, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
+                HAS_DROPOUT, IEEE, UPCAST, BIAS_GRAD, ROW_PER_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_D, D)
     if BIAS_GRAD:  # the segments the last query tile began
         last = lo + tl.maximum(tl.cdiv(hi - lo, BLOCK_M) - 1, 0) * BLOCK_M
         base = offset + last - n_start + tl.arange(0, BLOCK_M)
