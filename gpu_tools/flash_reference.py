@@ -17,17 +17,12 @@ forward's query tiles a multiple of its key tiles, the backward's key tiles a mu
 diagonal then falls in whole tiles): what a baseline needs, not a general attention.
 """
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from kerple_core.attention.fused import Tiles, dropout_threshold, keep_probability
+from kerple_core.attention.fused import LOG2E, Tiles, dropout_threshold, keep_probability
 from kerple_core.attention.fused_kernels import kept, kept_transposed
-
-#: ``log2(e)``: the kernels exponentiate in base 2
-LOG2E = math.log2(math.e)
 
 
 @triton.jit
