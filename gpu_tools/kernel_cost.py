@@ -51,19 +51,20 @@ LEADING = 10
 
 class Case(NamedTuple):
     """A bias the fused kernel serves: its label, and whether the backend gets a per-distance gradient, a weight
-    table, gates."""
+    table, gates, and whether the bias is linear in the distance (computed from a slope, not read)."""
 
     label: str
     bias_grad: bool
     weight: bool
     gates: bool
+    linear: bool
 
 
 CASES = {
-    "alibi": Case("ALiBi", False, False, False),
-    "kerple_log": Case("KERPLE-log/T5", True, False, False),
-    "fox": Case("FoX", False, False, True),
-    "weight": Case("weight kernel", True, True, False),
+    "alibi": Case("ALiBi", False, False, False, True),
+    "kerple_log": Case("KERPLE-log/T5", True, False, False, False),
+    "fox": Case("FoX", False, False, True, True),
+    "weight": Case("weight kernel", True, True, False, False),
 }
 
 
@@ -74,7 +75,8 @@ def fused_launches(case: Case, dtype: torch.dtype, head_dim: int, dropout: float
     weight = torch.zeros(HEADS, LENGTH, requires_grad=True) if case.weight else None
     gates = torch.zeros(BATCH, HEADS, LENGTH, requires_grad=True) if case.gates else None
     with cross_compile.recorded(fused, fused.kernels()) as launches:
-        out = fused._FusedAttention.apply(q, k, v, values, weight, gates, None, 0, 0, dropout, SEED)
+        slopes = torch.full((HEADS,), 0.5) if case.linear else None
+        out = fused._FusedAttention.apply(q, k, v, values, weight, gates, None, 0, 0, dropout, SEED, slopes)
         forward = len(launches)
         out.float().sum().backward()
     # UPCAST: the interpreter's flag

@@ -195,8 +195,9 @@ def test_the_main_loop_is_the_loop_of_fewest_operations_in_tritons_ir():
 
 
 def test_the_cases_record_the_launches_they_name():
-    """ALiBi and KERPLE-log share their forward and differ in the backward's per-distance gradient; FoX adds gates,
-    the weight kernel a weight table; dropout is on; the interpreter's flag is off."""
+    """ALiBi's bias is computed from its slopes, KERPLE-log's read from its table, with a per-distance gradient in the
+    backward; FoX adds gates to a zero (linear) bias, the weight kernel a weight table; dropout is on; the
+    interpreter's flag is off."""
     launches = {key: kernel_cost.fused_launches(case, torch.float16, 64, 0.1)
                 for key, case in kernel_cost.CASES.items()}
     for recorded in launches.values():
@@ -204,7 +205,10 @@ def test_the_cases_record_the_launches_they_name():
         assert all(launch.constants["HAS_DROPOUT"] and not launch.constants["UPCAST"] for _, launch in recorded)
     (_, alibi), (_, alibi_back) = launches["alibi"]
     (_, kerple), (_, kerple_back) = launches["kerple_log"]
-    assert alibi.constants == kerple.constants and alibi.name == kerple.name
+    assert alibi.name == kerple.name and {**alibi.constants, "LINEAR": False} == kerple.constants
+    assert (alibi.constants["LINEAR"], alibi_back.constants["LINEAR"], kerple_back.constants["LINEAR"]) == (
+        True, True, False)
+    assert launches["fox"][0][1].constants["LINEAR"] and not launches["weight"][0][1].constants["LINEAR"]
     assert (alibi_back.constants["BIAS_GRAD"], kerple_back.constants["BIAS_GRAD"]) == (False, True)
     assert launches["fox"][1][1].constants["HAS_GATES"] and not launches["fox"][1][1].constants["BIAS_GRAD"]
     assert launches["weight"][0][1].constants["HAS_WEIGHT"] and launches["weight"][1][1].constants["BIAS_GRAD"]

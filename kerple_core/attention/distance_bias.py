@@ -24,6 +24,7 @@ from kerple_core.attention.blocks import QueryBlock
 from kerple_core.attention.frozen import KeepsWhileFrozen
 from kerple_core.errors import KernelConfigError
 from kerple_core.kernels import BiasKernel
+from kerple_core.kernels.base import per_head_column
 from kerple_core.precision import precise
 from kerple_core.visibility import GLOBAL, Visibility
 
@@ -165,6 +166,15 @@ class DistanceBias(KeepsWhileFrozen):
         compute = {"bias": self.per_distance, "weight": self.weight_per_distance, "tangents": self.tangents}[kind]
         return self.shared((kind, num_distances, dtype, torch.device(device)),
                            lambda: compute(num_distances, device).to(dtype))
+
+    def linear_slopes(self, device) -> Optional[Tensor]:
+        """``[heads]`` float32: the slopes of a kernel linear in the distance (``B_h(d) = -m_h d``,
+        :meth:`~kerple_core.kernels.BiasKernel.linear_slopes`), kept like the values; None for any other."""
+        slopes = self.kernel.linear_slopes()
+        if slopes is None:
+            return None
+        return self.shared(("slopes", torch.device(device)),
+                           lambda: per_head_column(slopes, torch.float32, device).view(-1))
 
     def _windowed(self, values: Tensor, distances: Tensor) -> Tensor:
         if 0 < self.attention_window < distances.numel():

@@ -54,8 +54,8 @@ class Tiles(NamedTuple):
 
 #: each kernel's launch settings, the preferred first: a launch takes the first whose shared memory its GPU holds
 #: (Triton's OutOfResources refuses the others before they run). The backward's key tiles hold two query tiles, which
-#: halves its per-tile temporaries; with 128-dimensional heads it runs 8 warps, which keeps its registers from
-#: spilling. Chosen from their machine code's cost under a throughput model of an H100 SM and their spills
+#: halves its per-tile temporaries; with 128-dimensional heads both kernels run 8 warps (the forward over 128 queries),
+#: which keeps their registers from spilling. Chosen from their machine code's cost under a throughput model of an H100 SM and their spills
 #: (``python -m gpu_tools.kernel_cost``, docs/performance.md).
 FALLBACK = {
     "forward_kernel": (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 1)),
@@ -65,11 +65,14 @@ FALLBACK = {
 SETTINGS = {
     ("backward_kernel", 64, 2): (Tiles(32, 64, 4, 3), *FALLBACK["backward_kernel"]),
     ("backward_kernel", 128, 2): (Tiles(32, 64, 8, 2), Tiles(32, 64, 8, 1), Tiles(16, 32, 4, 1)),
+    ("forward_kernel", 128, 2): (Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 2), *FALLBACK["forward_kernel"]),
 }
 #: the settings that differ on GPUs before Hopper (compute capability 8: ``mma.sync`` tensor cores), where the backward
-#: with 128-dimensional heads in 2 stages compiles to 32 registers a thread and spills 13 KB (sm_80, both warp counts)
+#: with 128-dimensional heads in 2 stages compiles to 32 registers a thread and spills 13 KB (sm_80, both warp counts);
+#: the forward keeps the settings its cost was read at there
 BEFORE_HOPPER = {
     ("backward_kernel", 128, 2): (Tiles(32, 64, 8, 1), Tiles(16, 32, 4, 2), Tiles(16, 32, 4, 1)),
+    ("forward_kernel", 128, 2): FALLBACK["forward_kernel"],
 }
 #: the rows (queries or keys) each program of a kernel takes: the forward's a query tile, the backward's a key tile
 PROGRAM_ROWS = {"forward_kernel": "block_m", "backward_kernel": "block_n"}
@@ -118,13 +121,15 @@ def kernels():
 class FusedInputs(NamedTuple):
     """What the kernel reads of a block's bias: float32 ``bias`` ``[heads, distances]``, ``weight`` likewise
     (None: no weight kernel), ``gates`` ``[batch, heads, keys]`` (None: no gates), the block's ``offset``
-    (query ``t`` and key ``s`` are ``offset + t - s`` apart) and attention ``window`` (0: none)."""
+    (query ``t`` and key ``s`` are ``offset + t - s`` apart), attention ``window`` (0: none) and, for a bias linear
+    in the distance, the heads' ``slopes`` ``[heads]`` (``bias = -slope * d``: the kernel computes it; else None)."""
 
     bias: Tensor
     weight: Optional[Tensor]
     gates: Optional[Tensor]
     offset: int
     window: int
+    slopes: Optional[Tensor]
 
 
 def distance_part(bias: BlockBias) -> Optional[DistanceBlockBias]:
@@ -144,7 +149,8 @@ def fused_inputs(bias: BlockBias, device) -> FusedInputs:
     values = distances.distance_values("bias", torch.float32, device)
     weight = distances.distance_values("weight", torch.float32, device) if distances.has_weight else None
     gates = bias.state_difference() if isinstance(bias, LayerBlockBias) else None
-    return FusedInputs(values, weight, gates, distances.block.offset, distances.source.visibility.window)
+    slopes = None if distances.has_weight or values.requires_grad else distances.source.linear_slopes(device)
+    return FusedInputs(values, weight, gates, distances.block.offset, distances.source.visibility.window, slopes)
 
 
 def serves(q: Tensor, bias: BlockBias) -> bool:
@@ -181,7 +187,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: BlockBias, *, dropout: float =
     # the stream's seed from PyTorch's CPU generator (seeded by fairseq's --seed): no device is waited for
     seed = int(torch.randint(0, 2 ** 30, (1,)).item()) if dropout > 0 else 0
     return _FusedAttention.apply(q, k, v, inputs.bias, inputs.weight, gates, padding, inputs.offset, inputs.window,
-                                 float(dropout), seed)
+                                 float(dropout), seed, inputs.slopes)
 
 
 def dropout_threshold(dropout: float) -> int:
@@ -259,7 +265,7 @@ def _contiguous_rows(x: Tensor) -> Tensor:
 class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, k, v, values, weight, gates, padding, offset, window, dropout, seed):
+    def forward(ctx, q, k, v, values, weight, gates, padding, offset, window, dropout, seed, slopes=None):
         q, k, v = _contiguous_rows(q), _contiguous_rows(k), _contiguous_rows(v)
         batch, heads, num_queries, head_dim = q.shape
         num_keys = k.size(2)
@@ -267,15 +273,17 @@ class _FusedAttention(torch.autograd.Function):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(batch, heads, num_queries, dtype=torch.float32, device=q.device)
         # base-2 tables and gates: the kernels exponentiate with exp2; the forward reads the tables from the last
-        # distance to the first (its addresses then rise along a tile's keys), the backward from the first
-        tables = (values.detach() * LOG2E).contiguous(), \
+        # distance to the first (its addresses then rise along a tile's keys), the backward from the first; a linear
+        # bias is its slopes (a table of one distance, which the flip leaves as it is)
+        linear = slopes is not None
+        tables = ((slopes[:, None] if linear else values.detach()) * LOG2E).contiguous(), \
             placeholder if weight is None else (weight.detach() * LOG2E).contiguous()
         gates_in = placeholder if gates is None else (gates.detach() * LOG2E).contiguous()
         padding_in = placeholder if padding is None else padding
         threshold = dropout_threshold(dropout)
         keep_scale = 1.0 / keep_probability(dropout) if threshold < 256 else 0.0
         limit = values.size(1) if window <= 0 else min(window, values.size(1))
-        flags = dict(HAS_WEIGHT=weight is not None, HAS_GATES=gates is not None, HAS_PADDING=padding is not None,
+        flags = dict(LINEAR=linear, HAS_WEIGHT=weight is not None, HAS_GATES=gates is not None, HAS_PADDING=padding is not None,
                      HAS_DROPOUT=threshold > 0, IEEE=q.dtype == torch.float32,
                      UPCAST=interpreted() and q.dtype == torch.bfloat16,
                      BLOCK_D=max(16, _next_power_of_2(head_dim)), D=head_dim)
@@ -334,7 +342,7 @@ class _FusedAttention(torch.autograd.Function):
             grad_weight = grad_weight.sum((0, 2)) if has_weight else grad_weight
         return (grad_q.to(q.dtype), grad_k, grad_v, grad_values if bias_grad else None,
                 grad_weight if bias_grad and has_weight else None, grad_gates,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def _next_power_of_2(n: int) -> int:

@@ -11,11 +11,18 @@ The logit of query ``t`` and key ``s`` (``d = offset + t - s`` positions apart) 
 
     ``x_ts = (q_t . k_s) * W(d) + B(d) + c[offset + t] - c[s]``
 
-with ``B`` and ``W`` read from float32 tables ``[heads, distances]`` (``W`` only for a weight kernel) and ``c`` a
+with ``B`` and ``W`` read from float32 tables ``[heads, distances]`` (``W`` only for a weight kernel), or, for a bias
+linear in the distance (``LINEAR``: ALiBi's ``B(d) = -m d``), ``B`` computed from the head's slope ``m``, and ``c`` a
 per-key float32 state (the Forgetting Transformer's cumulative log forget gates); ``-inf`` where ``d < 0``,
 ``d >= limit`` (the table's length, or an attention window's) or ``s`` is padding. The kernels exponentiate in base
 2: the host scales ``B``, ``W`` and ``c`` by ``log2(e)`` (without a weight kernel, the scores are multiplied by it
 in the same fused multiply-add that adds ``B``), and the log-sum-exp is saved in base 2.
+
+A linear bias is split into a key's term ``m (s - base)``, added to each cell, and a query's term ``-m (offset + t -
+base)``, constant along a row, which the softmax does not see: the forward subtracts it from the saved log-sum-exp
+and the backward adds it to the log-sum-exp it reads, once a row. ``base`` is the program's first query (forward)
+or key (backward), so that both terms stay small where the probabilities are not: a cell costs one fused
+multiply-add, as without a bias (Press et al., ALiBi, §3, add the bias to the keys alone for the same reason).
 
 Tiles wholly outside what their queries see are never visited; tiles wholly inside it (all but the diagonal's and
 a window's edge at long lengths) are computed without masks. Dropout follows FlashAttention-2: one 7-round
@@ -86,23 +93,33 @@ def _store_tile(X, start, stride_row, num_rows, value, BLOCK: tl.constexpr, BLOC
 
 
 @triton.jit
-def _logits(scores, t, s, bias_row, weight_row, gates, padding, T, S, offset, limit, MASKED: tl.constexpr,
-            REVERSED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr):
+def _cells(row, first, LENGTH: tl.constexpr):
+    """``[len(first), LENGTH]`` pointers ``row + first[i] + j``: a tile's cells in a table read along its rows (the
+    compiler adds ``j`` as each load's constant offset)."""
+    return (row + first)[:, None] + tl.arange(0, LENGTH)[None, :]
+
+
+@triton.jit
+def _logits(scores, t, s, bias, weights, gates, padding, T, S, offset, limit, MASKED: tl.constexpr,
+            LINEAR: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr):
     """The base-2 logits of the cells of queries ``t`` and keys ``s`` (index tensors broadcast against each other:
     ``[M, 1]`` and ``[1, N]``, or transposed), ``-inf`` where unseen, and the weights ``W(d)`` (weight kernel;
-    else the scalar ``log2(e)``). ``MASKED``: the tile may hold unseen cells (else only padding may be).
-    ``REVERSED``: the rows point at the last value of tables stored from the last distance to the first."""
-    d = offset + t - s
-    if REVERSED:
-        index = s - t - offset  # -d: rising along the keys, so the compiler sees consecutive addresses
-    else:
-        index = d
+    else the scalar ``log2(e)``). ``bias`` and ``weights``: the cells' pointers into the tables (:func:`_cells`),
+    or, ``LINEAR``, ``bias`` the key's term ``m (s - base)`` (the logits leave out the query's). ``MASKED``: the
+    tile may hold unseen cells (else only padding may be)."""
     if MASKED:
+        d = offset + t - s
         seen = (d >= 0) & (d < limit) & (t < T) & (s < S)
-        index = tl.where(seen, index, 0)
-    bias = tl.load(bias_row + index)
+    if not LINEAR:
+        if MASKED:
+            bias = tl.load(bias, mask=seen, other=0.0)
+        else:
+            bias = tl.load(bias)
     if HAS_WEIGHT:
-        weight = tl.load(weight_row + index)
+        if MASKED:
+            weight = tl.load(weights, mask=seen, other=0.0)
+        else:
+            weight = tl.load(weights)
     else:
         weight = LOG2E
     logits = scores * weight + bias
@@ -182,16 +199,21 @@ def _three_ranges(lo, hi, full_lo, full_hi):
 
 
 @triton.jit
-def _forward_tile(acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, weight_row, gates, padding,
-                  seed, bh, threshold, T, S, offset, limit, MASKED: tl.constexpr,
+def _forward_tile(acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, slope, weight_row, gates, padding,
+                  seed, bh, threshold, T, S, offset, limit, base, MASKED: tl.constexpr, LINEAR: tl.constexpr,
                   HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
                   HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
     s = start + tl.arange(0, BLOCK_N)
     k = _tile(K, start, sks, S, BLOCK_N, BLOCK_D, D, MASKED)
     v = _tile(V, start, svs, S, BLOCK_N, BLOCK_D, D, MASKED)
-    logits, _ = _logits(_dot(q, tl.trans(k), IEEE, UPCAST), t[:, None], s[None, :], bias_row, weight_row, gates,
-                        padding, T, S, offset, limit, MASKED, True, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
+    if LINEAR:  # bias_row: the slope times the keys' places in a tile
+        bias = (bias_row + slope * (start - base).to(tl.float32))[None, :]
+    else:  # the tables from the last distance to the first: -d rises along the keys
+        bias = _cells(bias_row, start - offset - t, BLOCK_N)
+    weights = _cells(weight_row, start - offset - t, BLOCK_N) if HAS_WEIGHT else weight_row
+    logits, _ = _logits(_dot(q, tl.trans(k), IEEE, UPCAST), t[:, None], s[None, :], bias, weights, gates,
+                        padding, T, S, offset, limit, MASKED, LINEAR, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
     new_max = tl.maximum(row_max, tl.max(logits, 1))
     if MASKED or HAS_PADDING:
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that has seen nothing yet
@@ -210,9 +232,10 @@ def _forward_tile(acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, 
 def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, threshold, keep_scale,
                    sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sob, soh, sot,
                    H, T, S, N, offset, limit,
-                   HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
+                   LINEAR: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
                    HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    tl.static_assert(not (LINEAR and HAS_WEIGHT))
     m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -222,7 +245,13 @@ def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, thresh
     q = _tile(Q + head_start(b, h, sqb, sqh), first, sqt, T, BLOCK_M, BLOCK_D, D, True)
     K += head_start(b, h, skb, skh)
     V += head_start(b, h, svb, svh)
-    bias_row = Bias + h * N + N - 1  # the tables from the last distance to the first: B(d) at -d
+    base = offset + first  # a linear bias's terms: the key's m (s - base), the query's -m (offset + t - base)
+    if LINEAR:
+        slope = tl.load(Bias + h)
+        bias_row = slope * tl.arange(0, BLOCK_N).to(tl.float32)
+    else:
+        slope = 0.0
+        bias_row = Bias + h * N + N - 1  # the tables from the last distance to the first: B(d) at -d
     weight_row = Weight + h * N + N - 1
     gates = Gates + bh.to(tl.int64) * S
     padding = Padding + b.to(tl.int64) * S
@@ -241,14 +270,16 @@ def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, thresh
         for start in range(lo if part == 0 else (a if part == 1 else b_), a if part == 0 else (b_ if part == 1 else hi),
                            BLOCK_N):
             acc, row_max, row_sum = _forward_tile(
-                acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, weight_row, gates, padding, seed, bh,
-                threshold, T, S, offset, limit, part != 1, HAS_WEIGHT, HAS_GATES, HAS_PADDING, HAS_DROPOUT, IEEE,
-                UPCAST, BLOCK_M, BLOCK_N, BLOCK_D, D)
+                acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, slope, weight_row, gates, padding,
+                seed, bh, threshold, T, S, offset, limit, base, part != 1, LINEAR, HAS_WEIGHT, HAS_GATES,
+                HAS_PADDING, HAS_DROPOUT, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D, D)
     seen_any = row_sum > 0
     sums = tl.where(seen_any, row_sum, 1.0)
     out = acc * (keep_scale / sums)[:, None]
     # a row that sees no key attends to nothing: its log-sum-exp is +inf, so its recomputed probabilities are 0
     lse = tl.where(seen_any, row_max + tl.log2(sums), float("inf"))
+    if LINEAR:
+        lse -= slope * (offset + t - base).to(tl.float32)
     _store_tile(Out + head_start(b, h, sob, soh), first, sot, T, out, BLOCK_M, BLOCK_D, D)
     tl.store(LSE + bh.to(tl.int64) * T + t, lse, mask=t < T)
 
@@ -290,9 +321,9 @@ def _carried(row, segments, carry, base, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.c
 
 @triton.jit
 def _backward_tile(grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ,
-                   grad_row, grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding,
+                   grad_row, grad_weight_row, start, s, n_start, sqt, sdt, bias_row, slope, weight_row, gates, padding,
                    seed, bh, threshold, keep_scale, T, S, N, offset, limit,
-                   MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr,
+                   MASKED: tl.constexpr, LINEAR: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr,
                    HAS_PADDING: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                    BIAS_GRAD: tl.constexpr, ROW_PER_PROGRAM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
@@ -305,9 +336,15 @@ def _backward_tile(grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, 
     else:
         lse = tl.load(LSE + t)
         delta = tl.load(Delta + t)
+    if LINEAR:  # the query's term, which the logits leave out
+        lse += slope * (offset + t - n_start).to(tl.float32)
+        bias = bias_row
+    else:
+        bias = _cells(bias_row, offset + start - s, BLOCK_M)
+    weights = _cells(weight_row, offset + start - s, BLOCK_M) if HAS_WEIGHT else weight_row
     scores = _dot(k, tl.trans(q), IEEE, UPCAST)  # [keys, queries]
-    logits, weight = _logits(scores, t[None, :], s[:, None], bias_row, weight_row, gates, padding, T, S, offset,
-                             limit, MASKED, False, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
+    logits, weight = _logits(scores, t[None, :], s[:, None], bias, weights, gates, padding, T, S, offset, limit,
+                             MASKED, LINEAR, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
     probabilities = tl.exp2(logits - lse[None, :])
     grad_attended = _dot(v, tl.trans(do), IEEE, UPCAST)
     attended = probabilities
@@ -356,10 +393,11 @@ def backward_kernel(Q, K, V, DO, LSE, Delta, DQ, DK, DV, DGateQ, DGateK, DBias, 
                     Bias, Weight, Gates, Padding, seed, threshold, keep_scale,
                     sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sdb, sdh, sdt,
                     H, T, S, N, offset, limit,
-                    HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
-                    HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BIAS_GRAD: tl.constexpr,
-                    ROW_PER_PROGRAM: tl.constexpr,
+                    LINEAR: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr,
+                    HAS_PADDING: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                    BIAS_GRAD: tl.constexpr, ROW_PER_PROGRAM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+    tl.static_assert(not (LINEAR and (HAS_WEIGHT or BIAS_GRAD)))
     tl.static_assert((BLOCK_N == BLOCK_M) | (BLOCK_N == 2 * BLOCK_M))  # whole segments of distances
     n = tl.program_id(0)
     bh = tl.program_id(1)
@@ -376,7 +414,12 @@ def backward_kernel(Q, K, V, DO, LSE, Delta, DQ, DK, DV, DGateQ, DGateK, DBias, 
     Delta += rows
     DGateQ += rows
     DQ += rows * D
-    bias_row = Bias + h * N
+    if LINEAR:  # bias_row: the key's term of a linear bias, m (s - n_start)
+        slope = tl.load(Bias + h)
+        bias_row = (slope * (s - n_start).to(tl.float32))[:, None]
+    else:
+        slope = 0.0
+        bias_row = Bias + h * N
     weight_row = Weight + h * N
     gates = Gates + bh.to(tl.int64) * S
     padding = Padding + b.to(tl.int64) * S
@@ -400,9 +443,9 @@ def backward_kernel(Q, K, V, DO, LSE, Delta, DQ, DK, DV, DGateQ, DGateK, DBias, 
                            BLOCK_M):
             grad_k, grad_v, grad_key_gates, carry_bias, carry_weight = _backward_tile(
                 grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ,
-                grad_row, grad_weight_row, start, s, n_start, sqt, sdt, bias_row, weight_row, gates, padding, seed, bh,
-                threshold, keep_scale, T, S, N, offset, limit, part != 1, HAS_WEIGHT, HAS_GATES, HAS_PADDING,
-                HAS_DROPOUT, IEEE, UPCAST, BIAS_GRAD, ROW_PER_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_D, D)
+                grad_row, grad_weight_row, start, s, n_start, sqt, sdt, bias_row, slope, weight_row, gates, padding,
+                seed, bh, threshold, keep_scale, T, S, N, offset, limit, part != 1, LINEAR, HAS_WEIGHT, HAS_GATES,
+                HAS_PADDING, HAS_DROPOUT, IEEE, UPCAST, BIAS_GRAD, ROW_PER_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_D, D)
     if BIAS_GRAD:  # the segments the last query tile began
         last = lo + tl.maximum(tl.cdiv(hi - lo, BLOCK_M) - 1, 0) * BLOCK_M
         base = offset + last - n_start + tl.arange(0, BLOCK_M)

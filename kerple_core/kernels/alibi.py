@@ -72,6 +72,9 @@ class AlibiKernel(BiasKernel):
         # a plain list, not a buffer: model.half() must not round the slopes
         self.slopes = head_slopes(num_heads, alibi_shift, alibi_equal_slope)
 
+    def linear_slopes(self) -> List[float]:
+        return self.slopes
+
     def forward(self, distance: Tensor) -> Tensor:
         slopes = per_head_column(self.slopes, self.compute_dtype(), distance.device)
         return -slopes * distance.to(slopes.dtype)[None, :]

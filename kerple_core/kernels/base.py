@@ -65,6 +65,11 @@ class BiasKernel(nn.Module):
         """``[num_heads, len(distance)]`` multipliers of the scaled logits (weight kernels only)."""
         raise NotImplementedError(f"bias kernel {self.name!r} has no weight")
 
+    def linear_slopes(self) -> Optional[Sequence[float]]:
+        """The slopes ``m_h`` (one per head) of a kernel that is ``B_h(d) = -m_h d`` at every distance and has no
+        weight, else None: the fused attention kernel then computes the bias instead of reading its table."""
+        return None
+
     def zeros(self, distance: Tensor) -> Tensor:
         """A ``[num_heads, len(distance)]`` zero bias in the compute dtype."""
         return torch.zeros(self.num_heads, distance.numel(), dtype=self.compute_dtype(), device=distance.device)

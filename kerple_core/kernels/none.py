@@ -1,5 +1,7 @@
 """No positional bias: the causal mask alone (NoPE)."""
 
+from typing import List
+
 from torch import Tensor
 
 from kerple_core.kernels.base import BiasKernel
@@ -16,6 +18,9 @@ class NoBiasKernel(BiasKernel):
     """
 
     encodes_position = False
+
+    def linear_slopes(self) -> List[float]:
+        return [0.0] * self.num_heads
 
     def forward(self, distance: Tensor) -> Tensor:
         return self.zeros(distance)

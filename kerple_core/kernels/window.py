@@ -1,5 +1,7 @@
 """Windowed attention: every key within the last ``w`` positions, nothing beyond."""
 
+from typing import List
+
 from torch import Tensor
 
 from kerple_core.kernels.base import BiasKernel
@@ -19,6 +21,9 @@ class WindowKernel(BiasKernel):
 
     encodes_position = False
     requires_window = True
+
+    def linear_slopes(self) -> List[float]:
+        return [0.0] * self.num_heads
 
     def forward(self, distance: Tensor) -> Tensor:
         return self.zeros(distance)
