@@ -14,10 +14,14 @@ instructions where the IR's loops do not match the SASS's, whose counts spill co
 and the clocks a cell of a causal attention of 2048 tokens (the tiles the diagonal crosses at the masked loops'
 mean cost, those wholly seen at the main loop's), are set beside the baseline's of the same direction as ratios.
 
-The cases: ALiBi (a table of frozen slopes: no per-distance gradient), KERPLE-log and T5 (tables with per-distance
-gradients: one kernel for both, compiled once), FoX (the Forgetting Transformer's gates) and a weight kernel
-(``kerple_bias_wht``: a table of weights on the scores too, with gradients). KERPLE-log's forward is ALiBi's (the
-per-distance gradient changes only the backward).
+The cases: ALiBi (a bias linear in the distance, computed from its frozen slopes: no table, no per-distance
+gradient), KERPLE-log and T5 (tables with per-distance gradients: one kernel for both, compiled once), FoX (the
+Forgetting Transformer's gates over a zero, linear, bias) and a weight kernel (``kerple_bias_wht``: a table of
+weights on the scores too, with gradients).
+
+The **floor** of a case is the baseline with the bias's own work added to each of its loops (:func:`own_work`: the
+instructions a cell needs at the least, without their addresses or the movement of a diagonal's cells), costed
+alike: the report gives it as a ratio to the baseline and the kernel's causal cost as a ratio to it.
 
     python -m gpu_tools.kernel_cost [--arch 80 90] [--head-dims 64 128] [--dtype float16] [--dropout 0.1]
         [--cases alibi kerple_log fox weight] [--directions forward backward] [--json OUT]
@@ -66,6 +70,37 @@ CASES = {
     "fox": Case("FoX", False, False, True, True),
     "weight": Case("weight kernel", True, True, False, False),
 }
+
+
+def own_work(case: Case, direction: str) -> Dict[str, int]:
+    """The instructions a computed cell of ``case`` needs at the least beyond the FlashAttention-2-style kernel's, by
+    opcode: the bias added to the score (the softmax's shift no longer folds into the score's multiply-add; for a
+    linear bias its key's term), a 4-byte load of the cell's table value (and of its weight), in the backward
+    ``dS W`` for a weight kernel, each cell's gradient added into its distance's sum (``dS * score`` into the weight's),
+    and the gates' row and column sums. No address arithmetic and no movement of a diagonal's cells to one thread:
+    a lower bound of what the bias costs."""
+    work = {"FADD": 1, "LDG.E": (0 if case.linear else 1) + case.weight}
+    if direction == "backward":
+        work["FMUL"] = int(case.weight)
+        work["FADD"] += int(case.bias_grad) + 2 * case.gates
+        work["FFMA"] = int(case.bias_grad and case.weight)
+    return {opcode: count for opcode, count in work.items() if count}
+
+
+def floor_cost(compiled, tiles: Tiles, arch: int, work: Dict[str, int]) -> dict:
+    """The FlashAttention-2-style kernel ``compiled`` (with ``tiles``) with ``work`` (instructions a cell) added to
+    each of its tensor-core loops: its main loop's clocks a cell and the causal clocks a cell (:func:`kernel_cost`'s
+    figures), under the same model."""
+    instructions = sass.parse(sass.disassemble(compiled.asm["cubin"]))
+    found, costs = tensor_loops(instructions, tiles, arch)
+    main, _ = main_loop(costs, dot_loop_sizes(compiled.asm["ttgir"]))
+    per_warp = tiles.block_m * tiles.block_n // (32 * tiles.num_warps)  # one warp instruction: 32 cells
+    added = [sass.Instruction(0, opcode, "", None) for opcode, count in work.items() for _ in range(count * per_warp)]
+    clocks = [throughput.loop_cost(loop.body + added, tiles.num_warps, tiles.block_m * tiles.block_n,
+                                   throughput.SMS[arch]) for loop in found]
+    masked = [cost.clocks for index, cost in enumerate(clocks) if index != main] or [clocks[main].clocks]
+    return {"per_cell": clocks[main].per_cell,
+            "causal_per_cell": causal_per_cell(clocks[main].clocks, masked, tiles.block_m, tiles.block_n)}
 
 
 def fused_launches(case: Case, dtype: torch.dtype, head_dim: int, dropout: float) -> List[tuple]:
@@ -189,10 +224,10 @@ def report(arch: int, head_dim: int, dtype: torch.dtype, dropout: float, cases: 
             first = compiled[identity]
             rows.append(dict(first, case=CASES[key].label, direction=direction,
                              same_as=None if first["case"] == CASES[key].label else first["case"]))
-    baseline = []
+    baseline, baseline_kernels = [], {}
     for direction, launch in baseline_launches(dtype, head_dim, dropout):
         if direction in tiles_of:
-            kernel = cross_compile.compile_launch(launch, tiles_of[direction], arch)
+            kernel = baseline_kernels[direction] = cross_compile.compile_launch(launch, tiles_of[direction], arch)
             baseline.append(dict(kernel_cost(kernel, tiles_of[direction], arch, launch.name), case=BASELINE,
                                  direction=direction, same_as=None,
                                  fits=kernel.metadata.shared <= cross_compile.SHARED_MEMORY[arch]))
@@ -200,6 +235,12 @@ def report(arch: int, head_dim: int, dtype: torch.dtype, dropout: float, cases: 
         reference = sum(b["per_cell"] for b in baseline if b["direction"] == row["direction"])
         causal = sum(b["causal_per_cell"] for b in baseline if b["direction"] == row["direction"])
         row.update(ratio=row["per_cell"] / reference, causal_ratio=row["causal_per_cell"] / causal)
+        if row["case"] != BASELINE:
+            case = next(c for c in CASES.values() if c.label == row["case"])
+            floor = floor_cost(baseline_kernels[row["direction"]], tiles_of[row["direction"]], arch,
+                               own_work(case, row["direction"]))
+            row.update(floor=floor, floor_ratio=floor["causal_per_cell"] / causal,
+                       over_floor=row["causal_per_cell"] / floor["causal_per_cell"])
     return baseline + rows
 
 
@@ -221,7 +262,8 @@ def table(rows: List[dict]) -> str:
     """The rows as a Markdown table."""
     classes = ("tensor", "fma", "alu", "sfu", "memory", "other")
     head = ["kernel", "case", "tiles", "regs", "spills st/ld B", "shared KB", "main loop instr",
-            *classes, "bound", "clk/cell", "clk/cell causal", "x FA2", "x FA2 causal"]
+            *classes, "bound", "clk/cell", "clk/cell causal", "x FA2", "x FA2 causal", "floor x FA2 causal",
+            "x floor causal"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         loop = row["loops"][row["main"]]
@@ -234,7 +276,8 @@ def table(rows: List[dict]) -> str:
                  f"{row['spill_stores']}/{row['spill_loads']}", shared, str(loop["instructions"]),
                  *(str(loop["classes"][c] + (loop["classes"]["unknown"] if c == "other" else 0)) for c in classes),
                  loop["binding"], f"{row['per_cell']:.3f}", f"{row['causal_per_cell']:.3f}", f"{row['ratio']:.2f}",
-                 f"{row['causal_ratio']:.2f}"]
+                 f"{row['causal_ratio']:.2f}", *((f"{row['floor_ratio']:.2f}", f"{row['over_floor']:.2f}")
+                                                 if "floor" in row else ("", ""))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

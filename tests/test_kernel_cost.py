@@ -217,6 +217,20 @@ def test_the_cases_record_the_launches_they_name():
                                                                             ("backward", "flash_backward")]
 
 
+def test_a_cases_floor_is_the_work_its_bias_adds_to_a_cell():
+    """The floor's own work a cell: the bias's add, a 4-byte table load unless the bias is linear (and the weight's),
+    and in the backward each cell added into its distance's sum, the weight's product and sum, the gates' row and
+    column sums."""
+    work = kernel_cost.own_work
+    cases = kernel_cost.CASES
+    assert work(cases["alibi"], "forward") == work(cases["alibi"], "backward") == {"FADD": 1}
+    assert work(cases["kerple_log"], "forward") == {"FADD": 1, "LDG.E": 1}
+    assert work(cases["kerple_log"], "backward") == {"FADD": 2, "LDG.E": 1}
+    assert work(cases["fox"], "forward") == {"FADD": 1} and work(cases["fox"], "backward") == {"FADD": 3}
+    assert work(cases["weight"], "forward") == {"FADD": 1, "LDG.E": 2}
+    assert work(cases["weight"], "backward") == {"FADD": 2, "LDG.E": 2, "FMUL": 1, "FFMA": 1}
+
+
 @pytest.mark.slow
 @pytest.mark.cross_compile
 def test_the_report_compiles_the_baseline_and_the_fused_forward_for_sm_90(tmp_path):
@@ -235,5 +249,8 @@ def test_the_report_compiles_the_baseline_and_the_fused_forward_for_sm_90(tmp_pa
         assert loop["flops"] == 2 * (2 * tiles["block_m"] * tiles["block_n"] * 64)  # q k^T and p v of one tile
         for figure in (row["per_cell"], row["causal_per_cell"], row["ratio"], row["causal_ratio"]):
             assert math.isfinite(figure) and figure > 0
-    assert rows[0]["ratio"] == 1.0
+    assert rows[0]["ratio"] == 1.0 and "floor" not in rows[0]
+    floor = rows[1]["floor"]["causal_per_cell"]  # the baseline and a cell's added FADD: no less than the baseline
+    assert floor >= rows[0]["causal_per_cell"] and rows[1]["floor_ratio"] >= 1.0
+    assert rows[1]["over_floor"] == pytest.approx(rows[1]["causal_per_cell"] / floor)
     assert "| forward (forward_kernel) | ALiBi |" in proc.stdout
