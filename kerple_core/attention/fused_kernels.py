@@ -100,13 +100,16 @@ def _cells(row, first, LENGTH: tl.constexpr):
 
 
 @triton.jit
-def _logits(scores, t, s, seen, bias, weights, gates, padding, T, S, offset, MASKED: tl.constexpr,
+def _logits(scores, t, s, bias, weights, gates, padding, T, S, offset, limit, MASKED: tl.constexpr,
             LINEAR: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr):
     """The base-2 logits of the cells of queries ``t`` and keys ``s`` (index tensors broadcast against each other:
     ``[M, 1]`` and ``[1, N]``, or transposed), ``-inf`` where unseen, and the weights ``W(d)`` (weight kernel;
     else the scalar ``log2(e)``). ``bias`` and ``weights``: the cells' pointers into the tables (:func:`_cells`),
     or, ``LINEAR``, ``bias`` the key's term ``m (s - base)`` (the logits leave out the query's). ``MASKED``: the
-    tile may hold unseen cells, those not ``seen`` (else only padding may be)."""
+    tile may hold unseen cells (else only padding may be)."""
+    if MASKED:
+        d = offset + t - s
+        seen = (d >= 0) & (d < limit) & (t < T) & (s < S)
     if not LINEAR:
         if MASKED:
             bias = tl.load(bias, mask=seen, other=0.0)
@@ -209,14 +212,8 @@ def _forward_tile(acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, 
     else:  # the tables from the last distance to the first: -d rises along the keys
         bias = _cells(bias_row, start - offset - t, BLOCK_N)
     weights = _cells(weight_row, start - offset - t, BLOCK_N) if HAS_WEIGHT else weight_row
-    if MASKED:  # each query's first and last key seen (none past the last query): two compares a cell
-        first_seen = offset + t - limit + 1
-        last_seen = tl.where(t < T, tl.minimum(offset + t, S - 1), -1)
-        seen = (s[None, :] >= first_seen[:, None]) & (s[None, :] <= last_seen[:, None])
-    else:
-        seen = None
-    logits, _ = _logits(_dot(q, tl.trans(k), IEEE, UPCAST), t[:, None], s[None, :], seen, bias, weights, gates,
-                        padding, T, S, offset, MASKED, LINEAR, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
+    logits, _ = _logits(_dot(q, tl.trans(k), IEEE, UPCAST), t[:, None], s[None, :], bias, weights, gates,
+                        padding, T, S, offset, limit, MASKED, LINEAR, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
     new_max = tl.maximum(row_max, tl.max(logits, 1))
     if MASKED or HAS_PADDING:
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row that has seen nothing yet
@@ -346,12 +343,7 @@ def _backward_tile(grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, 
         bias = _cells(bias_row, offset + start - s, BLOCK_M)
     weights = _cells(weight_row, offset + start - s, BLOCK_M) if HAS_WEIGHT else weight_row
     scores = _dot(k, tl.trans(q), IEEE, UPCAST)  # [keys, queries]
-    if MASKED:
-        d = offset + t[None, :] - s[:, None]
-        seen = (d >= 0) & (d < limit) & (t[None, :] < T) & (s[:, None] < S)
-    else:
-        seen = None
-    logits, weight = _logits(scores, t[None, :], s[:, None], seen, bias, weights, gates, padding, T, S, offset,
+    logits, weight = _logits(scores, t[None, :], s[:, None], bias, weights, gates, padding, T, S, offset, limit,
                              MASKED, LINEAR, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
     probabilities = tl.exp2(logits - lse[None, :])
     grad_attended = _dot(v, tl.trans(do), IEEE, UPCAST)
