@@ -467,6 +467,15 @@ def test_asked_for_where_it_cannot_run_it_is_refused_with_what_to_do(monkeypatch
         choose_backend(q.cpu(), k.cpu(), bias, preference="fused", **choose)
 
 
+def test_the_tables_padding_holds_every_cell_a_masked_tile_reads():
+    """A masked tile reads its unseen cells from the zeros on either side of a table's row, unmasked: a tile of any
+    of the launch settings reaches at most ``block_m + block_n - 2`` distances past the table's ends."""
+    pad = fused.kernels().TABLE_PAD.value
+    every = {tiles for table in (fused.FALLBACK, fused.SETTINGS, fused.BEFORE_HOPPER) for options in table.values()
+             for tiles in options}
+    assert every and max(tiles.block_m + tiles.block_n - 2 for tiles in every) <= pad
+
+
 def test_a_launch_takes_the_first_settings_its_gpu_holds_and_remembers_them(monkeypatch):
     from triton.runtime.errors import OutOfResources
 

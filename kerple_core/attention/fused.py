@@ -276,13 +276,15 @@ class _FusedAttention(torch.autograd.Function):
         # distance to the first (its addresses then rise along a tile's keys), the backward from the first; a linear
         # bias is its slopes (a table of one distance, which the flip leaves as it is)
         linear = slopes is not None
-        tables = ((slopes[:, None] if linear else values.detach()) * LOG2E).contiguous(), \
-            placeholder if weight is None else (weight.detach() * LOG2E).contiguous()
+        pad = kernels().TABLE_PAD.value
+        tables = (slopes[:, None] * LOG2E).contiguous() if linear else _padded(values.detach() * LOG2E, pad), \
+            placeholder if weight is None else _padded(weight.detach() * LOG2E, pad)
         gates_in = placeholder if gates is None else (gates.detach() * LOG2E).contiguous()
         padding_in = placeholder if padding is None else padding
         threshold = dropout_threshold(dropout)
         keep_scale = 1.0 / keep_probability(dropout) if threshold < 256 else 0.0
-        limit = values.size(1) if window <= 0 else min(window, values.size(1))
+        num_distances = values.size(1)
+        limit = num_distances if window <= 0 else min(window, num_distances)
         flags = dict(LINEAR=linear, HAS_WEIGHT=weight is not None, HAS_GATES=gates is not None, HAS_PADDING=padding is not None,
                      HAS_DROPOUT=threshold > 0, IEEE=q.dtype == torch.float32,
                      UPCAST=interpreted() and q.dtype == torch.bfloat16,
@@ -292,20 +294,20 @@ class _FusedAttention(torch.autograd.Function):
             q, k, v, out, lse, *(table.flip(-1) for table in tables), gates_in, padding_in, *stream,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            heads, num_queries, num_keys, values.size(1), offset, limit), flags)
+            heads, num_queries, num_keys, num_distances, offset, limit), flags)
         ctx.save_for_backward(q, k, v, out, lse, *tables, gates_in, padding_in)
-        ctx.settings = (offset, limit, stream, flags)
+        ctx.settings = (offset, limit, num_distances, stream, flags)
         ctx.needs = (ctx.needs_input_grad[3] or ctx.needs_input_grad[4], gates is not None, weight is not None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, values, weight, gates, padding = ctx.saved_tensors
-        offset, limit, stream, flags = ctx.settings
+        offset, limit, num_distances, stream, flags = ctx.settings
         bias_grad, has_gates, has_weight = ctx.needs
         grad_out = _contiguous_rows(grad_out)
         batch, heads, num_queries, head_dim = q.shape
-        num_keys, num_distances = k.size(2), values.size(1)
+        num_keys = k.size(2)
         placeholder = _placeholder(q.device)
         delta = (grad_out.float() * out.float()).sum(-1).contiguous()
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # added into by every key tile
@@ -343,6 +345,12 @@ class _FusedAttention(torch.autograd.Function):
         return (grad_q.to(q.dtype), grad_k, grad_v, grad_values if bias_grad else None,
                 grad_weight if bias_grad and has_weight else None, grad_gates,
                 None, None, None, None, None, None)
+
+
+def _padded(table: Tensor, pad: int) -> Tensor:
+    """``table`` ``[heads, distances]`` with ``pad`` zeros on either side of each row (the kernels' masked tiles read
+    them in place of the cells they mask)."""
+    return torch.nn.functional.pad(table, (pad, pad)).contiguous()
 
 
 def _next_power_of_2(n: int) -> int:

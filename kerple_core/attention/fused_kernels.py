@@ -47,6 +47,9 @@ import triton.language as tl
 
 #: ``log2(e)``: the kernels exponentiate in base 2
 LOG2E = tl.constexpr(math.log2(math.e))
+#: zeros on either side of each row of a table, more than a tile's queries and keys together: a masked tile reads its
+#: cells without a mask (those it masks fall on the zeros)
+TABLE_PAD = tl.constexpr(256)
 
 
 @triton.jit
@@ -110,16 +113,10 @@ def _logits(scores, t, s, bias, weights, gates, padding, T, S, offset, limit, MA
     if MASKED:
         d = offset + t - s
         seen = (d >= 0) & (d < limit) & (t < T) & (s < S)
-    if not LINEAR:
-        if MASKED:
-            bias = tl.load(bias, mask=seen, other=0.0)
-        else:
-            bias = tl.load(bias)
+    if not LINEAR:  # a masked tile's unseen cells read the tables' padding
+        bias = tl.load(bias)
     if HAS_WEIGHT:
-        if MASKED:
-            weight = tl.load(weights, mask=seen, other=0.0)
-        else:
-            weight = tl.load(weights)
+        weight = tl.load(weights)
     else:
         weight = LOG2E
     logits = scores * weight + bias
@@ -251,8 +248,9 @@ def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, thresh
         bias_row = slope * tl.arange(0, BLOCK_N).to(tl.float32)
     else:
         slope = 0.0
-        bias_row = Bias + h * N + N - 1  # the tables from the last distance to the first: B(d) at -d
-    weight_row = Weight + h * N + N - 1
+        # the tables from the last distance to the first: B(d) at -d
+        bias_row = Bias + h * (N + 2 * TABLE_PAD) + TABLE_PAD + N - 1
+    weight_row = Weight + h * (N + 2 * TABLE_PAD) + TABLE_PAD + N - 1
     gates = Gates + bh.to(tl.int64) * S
     padding = Padding + b.to(tl.int64) * S
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -419,8 +417,8 @@ def backward_kernel(Q, K, V, DO, LSE, Delta, DQ, DK, DV, DGateQ, DGateK, DBias, 
         bias_row = (slope * (s - n_start).to(tl.float32))[:, None]
     else:
         slope = 0.0
-        bias_row = Bias + h * N
-    weight_row = Weight + h * N
+        bias_row = Bias + h * (N + 2 * TABLE_PAD) + TABLE_PAD
+    weight_row = Weight + h * (N + 2 * TABLE_PAD) + TABLE_PAD
     gates = Gates + bh.to(tl.int64) * S
     padding = Padding + b.to(tl.int64) * S
     grad_row = DBias + (b.to(tl.int64) * sgb + h * sgh + n * sgn) * N
