@@ -2,7 +2,8 @@
 
 The bias is read inside the kernel from the per-distance values a
 :class:`~kerple_core.attention.distance_bias.DistanceBias` computes once per forward (``[heads,
-distances]``, float32; a weight kernel's ``W`` likewise), and, for the Forgetting Transformer, from the
+distances]``, float32, padded with zeros; a weight kernel's ``W`` likewise) or, for a bias linear in the distance
+(ALiBi's ``-m d``), computed from the heads' slopes; and, for the Forgetting Transformer, from the
 per-key state of its cumulative log forget gates (its term ``c_i - c_j``); it is added in float32 to the
 float32 scores and never laid out. Tiles wholly in the future or outside an attention window are skipped.
 Attention dropout is applied inside the kernel from a counter-based random stream (a seed drawn from
@@ -54,9 +55,9 @@ class Tiles(NamedTuple):
 
 #: each kernel's launch settings, the preferred first: a launch takes the first whose shared memory its GPU holds
 #: (Triton's OutOfResources refuses the others before they run). The backward's key tiles hold two query tiles, which
-#: halves its per-tile temporaries; with 128-dimensional heads both kernels run 8 warps (the forward over 128 queries),
-#: which keeps their registers from spilling. Chosen from their machine code's cost under a throughput model of an H100 SM and their spills
-#: (``python -m gpu_tools.kernel_cost``, docs/performance.md).
+#: halves its per-tile temporaries; with 128-dimensional heads both kernels run 8 warps (the forward over 128
+#: queries), which keeps their registers from spilling. Chosen from their machine code's cost under a throughput model
+#: of an H100 SM and their spills (``python -m gpu_tools.kernel_cost``, docs/performance.md).
 FALLBACK = {
     "forward_kernel": (Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 1), Tiles(32, 32, 4, 2), Tiles(32, 32, 4, 1)),
     "backward_kernel": (Tiles(32, 64, 4, 2), Tiles(32, 64, 4, 1), Tiles(16, 32, 4, 1)),
@@ -285,8 +286,8 @@ class _FusedAttention(torch.autograd.Function):
         keep_scale = 1.0 / keep_probability(dropout) if threshold < 256 else 0.0
         num_distances = values.size(1)
         limit = num_distances if window <= 0 else min(window, num_distances)
-        flags = dict(LINEAR=linear, HAS_WEIGHT=weight is not None, HAS_GATES=gates is not None, HAS_PADDING=padding is not None,
-                     HAS_DROPOUT=threshold > 0, IEEE=q.dtype == torch.float32,
+        flags = dict(LINEAR=linear, HAS_WEIGHT=weight is not None, HAS_GATES=gates is not None,
+                     HAS_PADDING=padding is not None, HAS_DROPOUT=threshold > 0, IEEE=q.dtype == torch.float32,
                      UPCAST=interpreted() and q.dtype == torch.bfloat16,
                      BLOCK_D=max(16, _next_power_of_2(head_dim)), D=head_dim)
         stream = (seed, threshold, keep_scale)
