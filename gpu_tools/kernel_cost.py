@@ -223,6 +223,7 @@ def report(arch: int, head_dim: int, dtype: torch.dtype, dropout: float, cases: 
                 tiles_of.setdefault(direction, tiles)
             first = compiled[identity]
             rows.append(dict(first, case=CASES[key].label, direction=direction,
+                             own_work=own_work(CASES[key], direction),
                              same_as=None if first["case"] == CASES[key].label else first["case"]))
     baseline, baseline_kernels = [], {}
     for direction, launch in baseline_launches(dtype, head_dim, dropout):
@@ -236,9 +237,7 @@ def report(arch: int, head_dim: int, dtype: torch.dtype, dropout: float, cases: 
         causal = sum(b["causal_per_cell"] for b in baseline if b["direction"] == row["direction"])
         row.update(ratio=row["per_cell"] / reference, causal_ratio=row["causal_per_cell"] / causal)
         if row["case"] != BASELINE:
-            case = next(c for c in CASES.values() if c.label == row["case"])
-            floor = floor_cost(baseline_kernels[row["direction"]], tiles_of[row["direction"]], arch,
-                               own_work(case, row["direction"]))
+            floor = floor_cost(baseline_kernels[row["direction"]], tiles_of[row["direction"]], arch, row["own_work"])
             row.update(floor=floor, floor_ratio=floor["causal_per_cell"] / causal,
                        over_floor=row["causal_per_cell"] / floor["causal_per_cell"])
     return baseline + rows

@@ -21,8 +21,8 @@ in the same fused multiply-add that adds ``B``), and the log-sum-exp is saved in
 A linear bias is split into a key's term ``m (s - base)``, added to each cell, and a query's term ``-m (offset + t -
 base)``, constant along a row, which the softmax does not see: the forward subtracts it from the saved log-sum-exp
 and the backward adds it to the log-sum-exp it reads, once a row. ``base`` is the program's first query (forward)
-or key (backward), so that both terms stay small where the probabilities are not: a cell costs one fused
-multiply-add, as without a bias (Press et al., ALiBi, §3, add the bias to the keys alone for the same reason).
+or key (backward), so that both terms stay small where the probabilities are not: a cell costs one add beyond
+attention without a bias, and reads no table.
 
 Tiles wholly outside what their queries see are never visited; tiles wholly inside it (all but the diagonal's and
 a window's edge at long lengths) are computed without masks. Dropout follows FlashAttention-2: one 7-round
