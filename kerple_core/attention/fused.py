@@ -65,14 +65,15 @@ FALLBACK = {
 #: the settings of a kernel, head width (a power of two) and input size (bytes) that differ from :data:`FALLBACK`'s
 SETTINGS = {
     ("backward_kernel", 64, 2): (Tiles(32, 64, 4, 3), *FALLBACK["backward_kernel"]),
-    ("backward_kernel", 128, 2): (Tiles(32, 64, 8, 2), Tiles(32, 64, 8, 1), Tiles(16, 32, 4, 1)),
+    ("backward_kernel", 128, 2): (Tiles(32, 64, 8, 3), Tiles(32, 64, 8, 2), Tiles(32, 64, 8, 1), Tiles(16, 32, 4, 1)),
     ("forward_kernel", 128, 2): (Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 2), *FALLBACK["forward_kernel"]),
 }
 #: the settings that differ on GPUs before Hopper (compute capability 8: ``mma.sync`` tensor cores), where the backward
-#: with 128-dimensional heads in 2 stages compiles to 32 registers a thread and spills 13 KB (sm_80, both warp counts);
-#: the forward keeps the settings its cost was read at there
+#: with 128-dimensional heads compiles, with FoX's gates or a weight kernel, to 32 registers a thread and 15 KB of
+#: spills in 32 x 64 tiles (sm_80, any warp count or stages) but not in 16 x 32; the forward keeps the settings its
+#: cost was read at there
 BEFORE_HOPPER = {
-    ("backward_kernel", 128, 2): (Tiles(32, 64, 8, 1), Tiles(16, 32, 4, 2), Tiles(16, 32, 4, 1)),
+    ("backward_kernel", 128, 2): (Tiles(16, 32, 4, 2), Tiles(16, 32, 4, 1)),
     ("forward_kernel", 128, 2): FALLBACK["forward_kernel"],
 }
 #: the rows (queries or keys) each program of a kernel takes: the forward's a query tile, the backward's a key tile
@@ -280,6 +281,8 @@ class _FusedAttention(torch.autograd.Function):
         pad = kernels().TABLE_PAD.value
         tables = (slopes[:, None] * LOG2E).contiguous() if linear else _padded(values.detach() * LOG2E, pad), \
             placeholder if weight is None else _padded(weight.detach() * LOG2E, pad)
+        saved = tuple(_shifted_copies(table) for table in tables)  # the backward's
+        row_length = saved[0].size(-1)
         gates_in = placeholder if gates is None else (gates.detach() * LOG2E).contiguous()
         padding_in = placeholder if padding is None else padding
         threshold = dropout_threshold(dropout)
@@ -292,19 +295,19 @@ class _FusedAttention(torch.autograd.Function):
                      BLOCK_D=max(16, _next_power_of_2(head_dim)), D=head_dim)
         stream = (seed, threshold, keep_scale)
         launch("forward_kernel", num_queries, batch * heads, q.device, (
-            q, k, v, out, lse, *(table.flip(-1) for table in tables), gates_in, padding_in, *stream,
+            q, k, v, out, lse, *(_shifted_copies(table.flip(-1)) for table in tables), gates_in, padding_in, *stream,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            heads, num_queries, num_keys, num_distances, offset, limit), flags)
-        ctx.save_for_backward(q, k, v, out, lse, *tables, gates_in, padding_in)
-        ctx.settings = (offset, limit, num_distances, stream, flags)
+            heads, num_queries, num_keys, num_distances, row_length, offset, limit), flags)
+        ctx.save_for_backward(q, k, v, out, lse, *saved, gates_in, padding_in)
+        ctx.settings = (offset, limit, num_distances, row_length, stream, flags)
         ctx.needs = (ctx.needs_input_grad[3] or ctx.needs_input_grad[4], gates is not None, weight is not None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, values, weight, gates, padding = ctx.saved_tensors
-        offset, limit, num_distances, stream, flags = ctx.settings
+        offset, limit, num_distances, row_length, stream, flags = ctx.settings
         bias_grad, has_gates, has_weight = ctx.needs
         grad_out = _contiguous_rows(grad_out)
         batch, heads, num_queries, head_dim = q.shape
@@ -332,7 +335,7 @@ class _FusedAttention(torch.autograd.Function):
             grad_values, grad_weight, *row_strides, values, weight, gates, padding, *stream,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-            heads, num_queries, num_keys, num_distances, offset, limit),
+            heads, num_queries, num_keys, num_distances, row_length, offset, limit),
             dict(flags, BIAS_GRAD=bias_grad, ROW_PER_PROGRAM=per_program))
         if has_weight:
             grad_q.mul_(1.0 / LOG2E)  # the kernel multiplied the base-2 weights
@@ -352,6 +355,17 @@ def _padded(table: Tensor, pad: int) -> Tensor:
     """``table`` ``[heads, distances]`` with ``pad`` zeros on either side of each row (the kernels' masked tiles read
     them in place of the cells they mask)."""
     return torch.nn.functional.pad(table, (pad, pad)).contiguous()
+
+
+def _shifted_copies(table: Tensor) -> Tensor:
+    """``[heads, 4, row]``: each row of ``table`` ``[heads, cells]`` from its cell ``k`` on in copy ``k`` (zeros after
+    it, ``row`` a multiple of 16), so that the kernels read any run of cells from a 16-byte boundary
+    (:func:`fused_kernels.table_rows`). A table of one cell a row (a linear bias's slopes) is left as it is."""
+    if table.size(-1) <= 1:
+        return table
+    row = -(-table.size(-1) // 16) * 16
+    padded = torch.nn.functional.pad(table, (0, row + 3 - table.size(-1)))
+    return torch.stack([padded[:, k:k + row] for k in range(4)], 1).contiguous()
 
 
 def _next_power_of_2(n: int) -> int:

@@ -96,10 +96,21 @@ def _store_tile(X, start, stride_row, num_rows, value, BLOCK: tl.constexpr, BLOC
 
 
 @triton.jit
-def _cells(row, first, LENGTH: tl.constexpr):
-    """``[len(first), LENGTH]`` pointers ``row + first[i] + j``: a tile's cells in a table read along its rows (the
-    compiler adds ``j`` as each load's constant offset)."""
-    return (row + first)[:, None] + tl.arange(0, LENGTH)[None, :]
+def table_rows(first, ROW):
+    """Where rows of cells start in a table's four shifted copies (``[4, ROW]`` a head, copy ``k`` holding the padded
+    row from its cell ``k`` on, ``ROW`` a multiple of 4): a row whose first cell is ``first`` starts at a multiple of 4
+    in the copy ``first % 4``, so that its cells, 16-byte aligned, are read 4 at a time. ``first`` may be negative
+    where the tiles' starts (multiples of 4) bring every cell read into the row."""
+    shift = first & 3
+    return shift * ROW + first - shift
+
+
+@triton.jit
+def _cells(table, rows, start, LENGTH: tl.constexpr):
+    """``[len(rows), LENGTH]`` pointers to a tile's cells in a table read along its rows: row ``i`` from
+    :func:`table_rows`' ``rows[i]`` moved ``start`` (a multiple of 4) cells on."""
+    first = tl.multiple_of(rows + start, 4)
+    return (table + first)[:, None] + tl.arange(0, LENGTH)[None, :]
 
 
 @triton.jit
@@ -196,7 +207,7 @@ def _three_ranges(lo, hi, full_lo, full_hi):
 
 
 @triton.jit
-def _forward_tile(acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, slope, weight_row, gates, padding,
+def _forward_tile(acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, slope, weight_row, rows, gates, padding,
                   seed, bh, threshold, T, S, offset, limit, base, MASKED: tl.constexpr, LINEAR: tl.constexpr,
                   HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
                   HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
@@ -207,8 +218,8 @@ def _forward_tile(acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, 
     if LINEAR:  # bias_row: the slope times the keys' places in a tile
         bias = (bias_row + slope * (start - base).to(tl.float32))[None, :]
     else:  # the tables from the last distance to the first: -d rises along the keys
-        bias = _cells(bias_row, start - offset - t, BLOCK_N)
-    weights = _cells(weight_row, start - offset - t, BLOCK_N) if HAS_WEIGHT else weight_row
+        bias = _cells(bias_row, rows, start, BLOCK_N)
+    weights = _cells(weight_row, rows, start, BLOCK_N) if HAS_WEIGHT else weight_row
     logits, _ = _logits(_dot(q, tl.trans(k), IEEE, UPCAST), t[:, None], s[None, :], bias, weights, gates,
                         padding, T, S, offset, limit, MASKED, LINEAR, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
     new_max = tl.maximum(row_max, tl.max(logits, 1))
@@ -228,11 +239,12 @@ def _forward_tile(acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, 
 @triton.jit
 def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, threshold, keep_scale,
                    sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sob, soh, sot,
-                   H, T, S, N, offset, limit,
+                   H, T, S, N, row_length, offset, limit,
                    LINEAR: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr, HAS_PADDING: tl.constexpr,
                    HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
     tl.static_assert(not (LINEAR and HAS_WEIGHT))
+    tl.static_assert(BLOCK_N % 4 == 0)  # key tiles start at multiples of 4: table_rows' copy holds for each
     m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -248,9 +260,10 @@ def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, thresh
         bias_row = slope * tl.arange(0, BLOCK_N).to(tl.float32)
     else:
         slope = 0.0
-        # the tables from the last distance to the first: B(d) at -d
-        bias_row = Bias + h * (N + 2 * TABLE_PAD) + TABLE_PAD + N - 1
-    weight_row = Weight + h * (N + 2 * TABLE_PAD) + TABLE_PAD + N - 1
+        bias_row = Bias + h * 4 * row_length
+    weight_row = Weight + h * 4 * row_length
+    # the tables from the last distance to the first: a query's cells start at -d of the first key's distance d
+    rows = table_rows(TABLE_PAD + N - 1 - offset - t, row_length)
     gates = Gates + bh.to(tl.int64) * S
     padding = Padding + b.to(tl.int64) * S
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -268,7 +281,7 @@ def forward_kernel(Q, K, V, Out, LSE, Bias, Weight, Gates, Padding, seed, thresh
         for start in range(lo if part == 0 else (a if part == 1 else b_), a if part == 0 else (b_ if part == 1 else hi),
                            BLOCK_N):
             acc, row_max, row_sum = _forward_tile(
-                acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, slope, weight_row, gates, padding,
+                acc, row_max, row_sum, q, K, V, start, t, sks, svs, bias_row, slope, weight_row, rows, gates, padding,
                 seed, bh, threshold, T, S, offset, limit, base, part != 1, LINEAR, HAS_WEIGHT, HAS_GATES,
                 HAS_PADDING, HAS_DROPOUT, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_D, D)
     seen_any = row_sum > 0
@@ -319,8 +332,8 @@ def _carried(row, segments, carry, base, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.c
 
 @triton.jit
 def _backward_tile(grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ,
-                   grad_row, grad_weight_row, start, s, n_start, sqt, sdt, bias_row, slope, weight_row, gates, padding,
-                   seed, bh, threshold, keep_scale, T, S, N, offset, limit,
+                   grad_row, grad_weight_row, start, s, n_start, sqt, sdt, bias_row, slope, weight_row, rows, gates,
+                   padding, seed, bh, threshold, keep_scale, T, S, N, offset, limit,
                    MASKED: tl.constexpr, LINEAR: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr,
                    HAS_PADDING: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                    BIAS_GRAD: tl.constexpr, ROW_PER_PROGRAM: tl.constexpr,
@@ -338,8 +351,8 @@ def _backward_tile(grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, 
         lse += slope * (offset + t - n_start).to(tl.float32)
         bias = bias_row
     else:
-        bias = _cells(bias_row, offset + start - s, BLOCK_M)
-    weights = _cells(weight_row, offset + start - s, BLOCK_M) if HAS_WEIGHT else weight_row
+        bias = _cells(bias_row, rows, start, BLOCK_M)
+    weights = _cells(weight_row, rows, start, BLOCK_M) if HAS_WEIGHT else weight_row
     scores = _dot(k, tl.trans(q), IEEE, UPCAST)  # [keys, queries]
     logits, weight = _logits(scores, t[None, :], s[:, None], bias, weights, gates, padding, T, S, offset, limit,
                              MASKED, LINEAR, HAS_WEIGHT, HAS_GATES, HAS_PADDING)
@@ -390,13 +403,14 @@ def _add_segment(row, distances, values, N, ROW_PER_PROGRAM: tl.constexpr):
 def backward_kernel(Q, K, V, DO, LSE, Delta, DQ, DK, DV, DGateQ, DGateK, DBias, DWeight, sgb, sgh, sgn,
                     Bias, Weight, Gates, Padding, seed, threshold, keep_scale,
                     sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sdb, sdh, sdt,
-                    H, T, S, N, offset, limit,
+                    H, T, S, N, row_length, offset, limit,
                     LINEAR: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATES: tl.constexpr,
                     HAS_PADDING: tl.constexpr, HAS_DROPOUT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                     BIAS_GRAD: tl.constexpr, ROW_PER_PROGRAM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
     tl.static_assert(not (LINEAR and (HAS_WEIGHT or BIAS_GRAD)))
     tl.static_assert((BLOCK_N == BLOCK_M) | (BLOCK_N == 2 * BLOCK_M))  # whole segments of distances
+    tl.static_assert(BLOCK_M % 4 == 0)  # query tiles start at multiples of 4: table_rows' copy holds for each
     n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -417,8 +431,9 @@ def backward_kernel(Q, K, V, DO, LSE, Delta, DQ, DK, DV, DGateQ, DGateK, DBias, 
         bias_row = (slope * (s - n_start).to(tl.float32))[:, None]
     else:
         slope = 0.0
-        bias_row = Bias + h * (N + 2 * TABLE_PAD) + TABLE_PAD
-    weight_row = Weight + h * (N + 2 * TABLE_PAD) + TABLE_PAD
+        bias_row = Bias + h * 4 * row_length
+    weight_row = Weight + h * 4 * row_length
+    rows = table_rows(TABLE_PAD + offset - s, row_length)  # a key's cells start at the first query's distance
     gates = Gates + bh.to(tl.int64) * S
     padding = Padding + b.to(tl.int64) * S
     grad_row = DBias + (b.to(tl.int64) * sgb + h * sgh + n * sgn) * N
@@ -441,8 +456,8 @@ def backward_kernel(Q, K, V, DO, LSE, Delta, DQ, DK, DV, DGateQ, DGateK, DBias, 
                            BLOCK_M):
             grad_k, grad_v, grad_key_gates, carry_bias, carry_weight = _backward_tile(
                 grad_k, grad_v, grad_key_gates, carry_bias, carry_weight, k, v, Q, DO, LSE, Delta, DQ, DGateQ,
-                grad_row, grad_weight_row, start, s, n_start, sqt, sdt, bias_row, slope, weight_row, gates, padding,
-                seed, bh, threshold, keep_scale, T, S, N, offset, limit, part != 1, LINEAR, HAS_WEIGHT, HAS_GATES,
+                grad_row, grad_weight_row, start, s, n_start, sqt, sdt, bias_row, slope, weight_row, rows, gates,
+                padding, seed, bh, threshold, keep_scale, T, S, N, offset, limit, part != 1, LINEAR, HAS_WEIGHT, HAS_GATES,
                 HAS_PADDING, HAS_DROPOUT, IEEE, UPCAST, BIAS_GRAD, ROW_PER_PROGRAM, BLOCK_M, BLOCK_N, BLOCK_D, D)
     if BIAS_GRAD:  # the segments the last query tile began
         last = lo + tl.maximum(tl.cdiv(hi - lo, BLOCK_M) - 1, 0) * BLOCK_M
