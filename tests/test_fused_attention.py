@@ -476,6 +476,39 @@ def test_the_tables_padding_holds_every_cell_a_masked_tile_reads():
     assert every and max(tiles.block_m + tiles.block_n - 2 for tiles in every) <= pad
 
 
+@pytest.mark.parametrize("smallest", [False, True], ids=["first settings", "smallest settings"])
+def test_the_alignment_the_kernels_promise_the_compiler_holds(smallest, monkeypatch):
+    """Each row of a tile's table cells is read from the copy where it starts on a 16-byte boundary, which the kernels
+    tell the compiler (``tl.multiple_of``: on a GPU, 16-byte loads that a wrong promise would misread). Under the
+    interpreter every promise is checked against the values it is made of: decoding steps, windows, padding, a weight
+    kernel, both directions, and keys more than the padding past the first query (the backward's rows that start
+    below the table's first cell, brought into it by the query tile's start)."""
+    from triton.runtime import interpreter
+
+    promised = []
+
+    def checked(handle, key, value):
+        if key == "tt.divisibility":
+            promised.append(int(handle.data.size))
+            assert (handle.data % value[0] == 0).all(), f"promised multiples of {value[0]}: {handle.data}"
+        handle.attr[key] = value
+
+    monkeypatch.setattr(interpreter.TensorHandle, "set_attr", checked)
+    if smallest:
+        every = fused.settings
+        monkeypatch.setattr(fused, "settings", lambda *kernel: every(*kernel)[-1:])
+        monkeypatch.setattr(fused, "_fitting", {})
+    for name, (queries, keys, offset, window) in [("kerple_log", (3, 700, 697, 0)), ("kerple_log", (3, 700, 697, 5)),
+                                                  ("kerple_bias_wht", (37, 50, 13, 9)), ("kerple_log", (300, 300, 0, 0))]:
+        kernel, source = kernel_bias(name, 2, window)
+        q, k, v = block_inputs(1, 2, queries, keys, 16, torch.float32)
+        bias = source.for_block(QueryBlock(0, queries, 0, keys, offset), offset + queries, shared=False)
+        padding = torch.zeros(1, keys, dtype=torch.bool, device=DEVICE)
+        padding[:, 5] = True
+        gradients(fused.attend(q, k, v, bias, key_padding_mask=padding), [q, k, v, *kernel.parameters()])
+    assert promised, "no alignment was promised: the tables were not read"
+
+
 def test_a_launch_takes_the_first_settings_its_gpu_holds_and_remembers_them(monkeypatch):
     from triton.runtime.errors import OutOfResources
 
