@@ -52,7 +52,7 @@ FLEX_METHODS.update({
 })
 
 #: methods whose term takes gradients (a layer's own term, a bias SSMax scales row by row), which FlexAttention
-#: serves on CUDA only without gradients (:func:`~kerple_core.attention.attend.flex_serves`): in training
+#: serves on CUDA only without gradients (:func:`~kerple_core.attention.backends.flex.serves`): in training
 #: another backend serves them
 NO_FLEX_BACKWARD = {"fox", "fox_bias_only", "fire", "bam-ssmax"}
 #: the tiny models with heads of 16 dimensions, the fewest FlexAttention's CUDA kernels take

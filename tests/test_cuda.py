@@ -11,7 +11,8 @@ import torch
 from helpers import (FLEX_METHODS, HEADS_OF_16, NO_FLEX_BACKWARD, encoding_model, every_encoding, flex_method_model,
                      random_tokens)
 from kerple_core.attention import flex
-from kerple_core.attention.attend import attend, masked_sdpa_backends
+from kerple_core.attention.attend import attend
+from kerple_core.attention.backends.sdpa import masked_sdpa_backends
 from kerple_core.attention.blocks import QueryBlock
 
 pytestmark = pytest.mark.cuda
@@ -202,8 +203,8 @@ MASKED_SDPA_CASES = [pytest.param(name, dtype, backend, marks=pytest.mark.xdist_
 def test_each_masked_sdpa_backend(name, dtype, sdpa_backend, monkeypatch):
     """Each of SDPA's backends that the plugin allows with a mask, alone, against the float64 reference;
     a failure names every parameter off (error over tolerance) and the positions of the embeddings off."""
-    from kerple_core.attention import attend as attend_module
-    monkeypatch.setattr(attend_module, "masked_sdpa_backends", lambda dtype: [sdpa_backend])
+    from kerple_core.attention.backends import sdpa
+    monkeypatch.setattr(sdpa, "masked_sdpa_backends", lambda dtype: [sdpa_backend])
     length, flags = 333, ("--attention-dropout", "0", "--attention-block-size", "0")
     tolerance = 2e-4 if dtype == torch.float32 else 3e-2
     tokens = random_tokens(batch=2, length=length, seed=3)

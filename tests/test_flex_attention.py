@@ -8,8 +8,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from helpers import FLEX_METHODS, HEADS_OF_16, NO_FLEX_BACKWARD, flex_method_model, random_tokens, tiny_model
-from kerple_core.attention import attend as attend_module, flex
-from kerple_core.attention.attend import FLEX_MIN_KEYS_CPU, choose_backend
+from kerple_core.attention import flex
+from kerple_core.attention.attend import choose_backend
+from kerple_core.attention.backends import flex as flex_backend
 from kerple_core.attention.blocks import QueryBlock
 from kerple_core.attention.layer_bias import LayerBlockBias
 from kerple_fairseq.errors import KernelConfigError
@@ -224,7 +225,7 @@ def test_block_mask_is_exact_and_skips_tiles(queries, keys, offset, first_key, w
 
 def test_where_flex_is_chosen():
     model = tiny_model("kerple_log")
-    n = FLEX_MIN_KEYS_CPU
+    n = flex_backend.MIN_KEYS_CPU
     bias = model.decoder.setup.bias.for_block(QueryBlock(0, n, 0, n, 0), n, shared=False)
     q = torch.zeros(1, 4, n, 8)
 
@@ -326,7 +327,7 @@ def test_flex_attention_serves_on_cuda_in_training_every_term_of_positions_or_th
     every method but those whose term reads the model's tensors (:data:`~helpers.NO_FLEX_BACKWARD`, which
     PyTorch 2.11 compiles no backward for), frozen too; a mask of positions such as chunked attention's it
     serves; without gradients, every one."""
-    original = attend_module.flex_serves
+    original = flex_backend.serves
     verdicts = []
 
     def asked_on_cuda(q, bias, dropout, key_padding_mask):
@@ -335,7 +336,7 @@ def test_flex_attention_serves_on_cuda_in_training_every_term_of_positions_or_th
         verdicts.append(original(on_cuda, bias, dropout, key_padding_mask))
         return original(q, bias, dropout, key_padding_mask)
 
-    monkeypatch.setattr(attend_module, "flex_serves", asked_on_cuda)
+    monkeypatch.setattr(flex_backend, "serves", asked_on_cuda)
     model = flex_method_model(name, *HEADS_OF_16, "--attention-dropout", "0").train()
     tokens = random_tokens(batch=2, length=24)
     model(tokens)[0].sum().backward()

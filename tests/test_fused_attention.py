@@ -17,7 +17,8 @@ import torch
 from conftest import REPO, run
 from helpers import moved, random_tokens, tiny_model
 from kerple_core.attention import fused
-from kerple_core.attention.attend import AttentionRecord, biased_scores, choose_backend
+from kerple_core.attention.attend import AttentionRecord, choose_backend
+from kerple_core.attention.backends.explicit import biased_scores
 from kerple_core.attention.blocks import QueryBlock
 from kerple_core.attention.distance_bias import DistanceBias
 from kerple_core.attention.self_attention import recorded
@@ -431,9 +432,9 @@ def test_a_kernel_that_fails_to_build_is_set_aside_by_auto_and_raised_when_asked
     with pytest.raises(CompilationError):
         attend_module.attend(q, k, v, bias, preference="fused")
     assert not fused.set_aside_because
-    chosen = attend_module.choose_backend
-    monkeypatch.setattr(attend_module, "choose_backend",  # auto on CUDA picks it where it serves
-                        lambda *a, **o: "fused" if fused.serves(a[0], a[2]) else chosen(*a, **o))
+    from kerple_core.attention.backends.fused import FusedBackend
+    monkeypatch.setattr(FusedBackend, "takes",  # auto on CUDA takes it where it serves
+                        lambda self, call: call.asked in (None, self) and fused.serves(call.q, call.bias))
     record = AttentionRecord()
     warned = []
     handler = logging.Handler(logging.WARNING)

@@ -12,7 +12,7 @@ from fairseq.utils import safe_getattr
 import torch
 from torch import nn
 
-from kerple_core.attention import fused
+from kerple_core.attention.attend import asked_backend
 from kerple_core.attention.blocks import CPU_BLOCK_SCORES
 from kerple_core.attention.distance_bias import DistanceBias
 from kerple_core.attention.rotary import RotaryEmbedding
@@ -109,19 +109,16 @@ def attention_setup(args, entry: Optional[LayerPositions] = None, kernels: Optio
 
 
 def attention_backend(args) -> str:
-    """``--attention-backend``, or explicit with ``--unfused-attention``. ``fused`` is refused on a machine
-    where it cannot run (no Triton, or no CUDA GPU), before anything is trained or written; on a GPU machine,
-    a model moved to the CPU is refused at its first forward."""
+    """``--attention-backend``, or explicit with ``--unfused-attention``. A backend asked for that cannot run on
+    this machine (the fused kernel without Triton or a CUDA GPU) is refused in one line, before anything is trained
+    or written; on a GPU machine, a model moved to the CPU is refused at its first forward."""
     backend = str(safe_getattr(args, "attention_backend", "auto"))
     if safe_getattr(args, "unfused_attention", False):
         if backend not in ("auto", "explicit"):
             raise KernelConfigError(f"--unfused-attention is --attention-backend explicit: it cannot be combined "
                                     f"with --attention-backend {backend}")
         return "explicit"
-    if backend == "fused":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if not fused.runs_on(device):
-            raise KernelConfigError(fused.not_running_on(device))
+    asked_backend(backend, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     return backend
 
 
