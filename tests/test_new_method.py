@@ -1,4 +1,4 @@
-"""The cost of a new attention method, visibility rule or rotary scaling: one module of its own. A toy written into a
+"""The cost of a new attention method, visibility rule, rotary scaling or attention backend: one module of its own. A toy written into a
 copy of the core and the plugin, and no other file changed, is found in fairseq-train's options, the model's configuration
 (the comparison's table and the benchmark's models for a method), and trains."""
 
@@ -175,6 +175,99 @@ print("toy-stretch trained")
 '''
 
 
+TOY_BACKEND = '''
+"""A toy attention backend: softmax(q k^T + B) v in float64, for float64 blocks (and any block, asked for by name)."""
+
+import torch
+
+from kerple_core.attention.backends.base import AttentionBackend, register_backend
+
+#: whether it runs on this machine (a check turns it off to see the refusal)
+RUNS = True
+#: the blocks it attended
+ATTENDED = []
+
+
+@register_backend("toy_float64")
+class ToyFloat64(AttentionBackend):
+    summary = "toy: softmax(q k^T + B) v in float64"
+    comes_before = "sdpa"
+
+    def unavailable(self, device):
+        return None if RUNS else "--attention-backend toy_float64 is off on this machine: choose --attention-backend auto"
+
+    def takes(self, call):
+        serves = (call.returns_values_only and call.key_padding_mask is None and not call.bias.has_weight
+                  and call.dropout == 0.0)
+        return serves and (call.asked is self or call.q.dtype == torch.float64)
+
+    def attend(self, call):
+        ATTENDED.append(call.q.shape)
+        q, k, v = (x.double() for x in (call.q, call.k, call.v))
+        logits = q @ k.transpose(-1, -2) + call.bias.mask(torch.float64, q.device)
+        return (torch.softmax(logits, -1) @ v).to(call.q.dtype), None
+'''
+
+BACKEND_CHECKS = '''
+import pytest
+
+from kerple_core.attention import attend
+from kerple_core.attention.backends import BACKENDS, toy_float64
+from kerple_core.attention.blocks import QueryBlock
+from kerple_core.attention.self_attention import recorded
+from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.models.decoder import attention_backend
+
+assert list(BACKENDS) == ["explicit", "fused", "flex", "kernel gradient", "toy_float64", "sdpa"], list(BACKENDS)
+assert attend.BACKENDS == ("auto", "explicit", "fused", "flex", "toy_float64", "sdpa"), attend.BACKENDS
+parser = options.get_training_parser()
+args = options.parse_args_and_arch(parser, [data_bin, "--user-dir", sys.argv[1], "--task", "language_modeling",
+                                            "--arch", "transformer_lm_alibi", "--attention-backend", "toy_float64"])
+assert args.attention_backend == "toy_float64" and "toy_float64: toy: softmax" in parser.format_help()
+
+# auto takes it where it serves (float64 blocks, before sdpa), not elsewhere; asked for, it takes every block it serves
+main(convert_namespace_to_omegaconf(parsed("--arch", "transformer_lm_alibi", "--attention-dropout", "0")))
+[model], _ = load_model_ensemble([str(Path(save_dir) / "checkpoint_last.pt")])
+model.eval()
+tokens = torch.randint(4, 100, (2, 24))
+with torch.no_grad():
+    expected = model(tokens)[0]
+    with recorded(model) as record:
+        assert torch.equal(model(tokens)[0], expected)
+    assert set(record.backends) == {"sdpa"}, record.backends
+    bias = model.decoder.setup.bias.for_block(QueryBlock(0, 24, 0, 24, 0), 24, shared=False)
+    q = torch.randn(1, 4, 24, 8, dtype=torch.float64)
+    choose = dict(dropout=0.0, key_padding_mask=None, need_probabilities=False)
+    assert attend.choose_backend(q, q, bias, **choose) == "toy_float64"
+    assert attend.choose_backend(q.float(), q.float(), bias, **choose) == "sdpa"
+    assert attend.choose_backend(q.float(), q.float(), bias, preference="toy_float64", **choose) == "toy_float64"
+    assert attend.choose_backend(q, q, bias, need_probabilities=True, dropout=0.0, key_padding_mask=None) == "explicit"
+    out, _ = attend.attend(q, q, q, bias)
+    reference, _ = attend.attend(q, q, q, bias, preference="explicit")
+    torch.testing.assert_close(out, reference, rtol=0, atol=1e-12)
+    model.decoder.setup.backend = "toy_float64"
+    with recorded(model) as record:
+        torch.testing.assert_close(model(tokens)[0], expected, rtol=0, atol=1e-5)
+    assert set(record.backends) == {"toy_float64"}, record.backends
+
+# trains when asked for
+args = parsed("--arch", "transformer_lm_alibi", "--attention-dropout", "0", "--attention-backend", "toy_float64")
+args.save_dir = save_dir + "-toy"
+toy_float64.ATTENDED.clear()
+main(convert_namespace_to_omegaconf(args))
+assert len(toy_float64.ATTENDED) == 2 * 2, "two layers, two updates: every block by the toy"
+state = torch.load(Path(args.save_dir) / "checkpoint_last.pt", weights_only=True)
+assert state["cfg"]["model"]["attention_backend"] == "toy_float64" and state["optimizer_history"][-1]["num_updates"] == 2
+
+# refused in one line where it cannot run, before anything is built
+toy_float64.RUNS = False
+with pytest.raises(KernelConfigError) as refused:
+    attention_backend(args)
+assert str(refused.value) == "--attention-backend toy_float64 is off on this machine: choose --attention-backend auto"
+print("toy_float64 chosen")
+'''
+
+
 def copy_with(tmp_path, folder, name, source):
     """The core and the plugin copied into ``tmp_path``, with module ``name`` of ``source`` written into the
     core's ``folder`` and no other file changed; the copied plugin's folder."""
@@ -211,3 +304,32 @@ def test_a_rotary_scaling_in_a_module_of_its_own_is_everywhere(data_bin, tmp_pat
     kerple-eval-lm, its option in the model's configuration, and a model that trains with it."""
     package = copy_with(tmp_path, "attention/rotary/scalings", "toy_stretch", TOY_SCALING)
     assert "toy-stretch trained" in run_checks(tmp_path, package, SCALING_CHECKS, data_bin).stdout
+
+
+@pytest.mark.slow
+def test_an_attention_backend_in_a_module_of_its_own_is_everywhere(data_bin, tmp_path):
+    """A backend, one file: in auto's order where it says, chosen by auto where it serves and not elsewhere, asked
+    for by name (a choice of --attention-backend, in its help), equal to the explicit path, training a model, and
+    refused in one line where it cannot run."""
+    package = copy_with(tmp_path, "attention/backends", "toy_float64", TOY_BACKEND)
+    assert "toy_float64 chosen" in run_checks(tmp_path, package, BACKEND_CHECKS, data_bin).stdout
+
+
+def test_the_docs_list_the_backends_of_the_registry():
+    """README's --attention-backend choices, design.md's list of backends (in auto's order, each with its file) and
+    its option table are the registry's."""
+    import re
+
+    from kerple_core.attention.backends import BACKENDS, choices
+
+    readme = (REPO / "README.md").read_text()
+    assert f"`--attention-backend {{{','.join(choices())}}}`" in readme
+    design = (REPO / "docs" / "design.md").read_text()
+    section = design[design.index("**`attend.py` and `backends/`: how a block is attended.**"):]
+    section = section[:section.index("\n\n", section.index("\n- **"))]
+    listed = re.findall(r"^- \*\*([^*]+)\*\* \(`backends/(\w+)\.py`", section, re.M)
+    assert [name for name, _ in listed] == list(BACKENDS), listed
+    for name, module in listed:
+        assert type(BACKENDS[name]).__module__ == f"kerple_core.attention.backends.{module}", (name, module)
+    row = next(line for line in design.splitlines() if line.startswith("| `--attention-backend` |"))
+    assert all(f"`{name}`" in row for name in choices()), row

@@ -7,6 +7,7 @@ from fairseq.dataclass import ChoiceEnum
 from fairseq.models.transformer_lm import TransformerLanguageModelConfig
 
 from kerple_core.attention.attend import BACKENDS
+from kerple_core.attention.backends import choices_help
 from kerple_core.attention.blocks import CPU_BLOCK_SCORES
 from kerple_core.attention.methods import attention_method_option_fields
 from kerple_fairseq.models.position_methods import bias_names
@@ -110,18 +111,7 @@ def _make_config():
         (
             "attention_backend",
             ChoiceEnum(list(BACKENDS)),
-            field(
-                default="auto",
-                metadata={
-                    "help": "how attention is computed: fused (a Triton kernel reading the per-distance bias and "
-                    "FoX's gates, dropout included; CUDA, or CPU under TRITON_INTERPRET=1), flex (FlexAttention, "
-                    "the bias read inside the fused kernel; on CPU only without gradients), sdpa (PyTorch's scaled_dot_product_attention "
-                    "with the bias laid out as a mask), explicit (matmul and softmax, the reference path); "
-                    "auto: fused on CUDA where it serves, then flex on CUDA and for long evaluation blocks on CPU, "
-                    "else sdpa. Methods a backend "
-                    "cannot serve fall back (DAPE and CoPE: explicit)"
-                },
-            ),
+            field(default="auto", metadata={"help": choices_help()}),
         ),
         (
             "unfused_attention",

@@ -15,6 +15,7 @@ from kerple_core.attention.backends.base import (
     AttentionWeights,
     ScoreTransform,
     choices,
+    choices_help,
     order,
     reference,
     register_backend,
@@ -30,4 +31,4 @@ for _module in pkgutil.iter_modules(__path__):
 order(ORDER)
 
 __all__ = ["BACKENDS", "ORDER", "AttentionBackend", "AttentionCall", "AttentionWeights", "ScoreTransform", "choices",
-           "order", "reference", "register_backend"]
+           "choices_help", "order", "reference", "register_backend"]

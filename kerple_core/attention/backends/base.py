@@ -61,6 +61,8 @@ class AttentionBackend:
 
     #: its ``--attention-backend`` name (set by :func:`register_backend`)
     name: str = ""
+    #: what it is and where ``auto`` takes it, for ``--attention-backend``'s help (one clause)
+    summary: str = ""
     #: ``--attention-backend`` may ask for it by name
     nameable: bool = True
     #: it serves every block: the one taken where no other takes a block
@@ -131,6 +133,14 @@ def order(names) -> None:
 def choices() -> Tuple[str, ...]:
     """``--attention-backend``'s choices: ``auto``, then the backends asked for by name, in their order."""
     return ("auto", *(name for name, backend in BACKENDS.items() if backend.nameable))
+
+
+def choices_help() -> str:
+    """``--attention-backend``'s help: each backend with its summary, in ``auto``'s order."""
+    named = "; ".join(f"{name}{'' if backend.nameable else ' (not asked for by name)'}: {backend.summary}"
+                      for name, backend in BACKENDS.items())
+    return (f"how attention is computed: {named}. auto: the first of these, in this order, that takes each block "
+            "(a backend asked for takes every block it serves; the others go on as with auto)")
 
 
 def reference() -> AttentionBackend:

@@ -19,6 +19,8 @@ from kerple_core.precision import precise
 
 @register_backend("explicit")
 class ExplicitBackend(AttentionBackend):
+    summary = ("matmul and softmax with the scores laid out, the reference path (= --unfused-attention), taken "
+               "where the probabilities or the scores are needed (DAPE, CoPE, ...) and where no other serves")
     serves_every_block = True
 
     def takes(self, call: AttentionCall) -> bool:

@@ -41,6 +41,9 @@ class FlexBackend(AttentionBackend):
     """Taken by ``auto`` where it serves on CUDA, and on CPU from :data:`MIN_KEYS_CPU` keys; not where a backend
     tried after it was asked for."""
 
+    summary = ("FlexAttention, the bias read inside its kernel (on CPU only without gradients), taken on CUDA and "
+               f"on CPU from {MIN_KEYS_CPU} keys")
+
     def takes(self, call: AttentionCall) -> bool:
         return (call.returns_values_only and not call.asked_for_a_later_backend(self)
                 and serves(call.q, call.bias, call.dropout, call.key_padding_mask)

@@ -15,6 +15,9 @@ class FusedBackend(AttentionBackend):
     """Taken by ``auto`` on CUDA wherever it serves (training, with any dropout, and evaluation); refused in one line
     where asked for on a device it cannot run on; set aside by ``auto`` where it fails to build."""
 
+    summary = ("a Triton kernel reading the per-distance bias and FoX's gates, dropout included (CUDA, or CPU under "
+               "TRITON_INTERPRET=1), taken on CUDA wherever it serves")
+
     def unavailable(self, device: torch.device) -> Optional[str]:
         return None if fused.runs_on(device) else fused.not_running_on(device)
 

@@ -14,6 +14,8 @@ class KernelGradientBackend(AttentionBackend):
     """Not asked for by name: how SDPA's fused CPU kernel serves a learnable kernel in training, whatever the
     backend asked for (those before it in the order took the block where they serve it)."""
 
+    summary = ("PyTorch's fused CPU attention with a learnable kernel's gradient from extra fused forwards, taken "
+               f"on CPU in training from {kernel_gradient.MIN_KEYS} keys")
     nameable = False
 
     def takes(self, call: AttentionCall) -> bool:

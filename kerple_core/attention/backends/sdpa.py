@@ -28,6 +28,8 @@ def masked_sdpa_backends(dtype: torch.dtype) -> List[SDPBackend]:
 
 @register_backend("sdpa")
 class SdpaBackend(AttentionBackend):
+    summary = ("PyTorch's scaled_dot_product_attention with the bias laid out as a mask, taken where none before it "
+               "is, without key padding or a weight kernel")
 
     def takes(self, call: AttentionCall) -> bool:
         """Where it serves: only the values needed, no key padding, no weight kernel."""
