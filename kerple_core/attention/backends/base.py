@@ -10,10 +10,12 @@ that serves every block (:attr:`AttentionBackend.serves_every_block`, the explic
 """
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple, Type
 
 import torch
 from torch import Tensor
+
+from kerple_core.kernels.registry import registrar
 
 #: ``transform(q, scores, bias)``: the logits from the block's queries, scores and bias (DAPE, CoPE)
 ScoreTransform = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -59,7 +61,7 @@ class AttentionBackend:
     fail to build on a machine names the errors (:meth:`build_errors`), and ``auto`` then sets it aside
     (:meth:`set_aside`) and chooses again."""
 
-    #: its ``--attention-backend`` name (set by :func:`register_backend`)
+    #: its ``--attention-backend`` name (set by ``register_backend``)
     name: str = ""
     #: what it is and where ``auto`` takes it, for ``--attention-backend``'s help (one clause)
     summary: str = ""
@@ -92,42 +94,31 @@ class AttentionBackend:
         """Take no more blocks in this process: it failed to build or launch here."""
 
 
-#: the backends by name, in the order ``auto`` tries them
+#: the backend classes by name, as registered
+REGISTERED: Dict[str, Type[AttentionBackend]] = {}
+#: class decorator: make an :class:`AttentionBackend` available as ``--attention-backend NAME``
+register_backend = registrar(REGISTERED, AttentionBackend, "attention backend")
+#: the backends by name, in the order ``auto`` tries them (:func:`order`)
 BACKENDS: Dict[str, AttentionBackend] = {}
 
 
-def register_backend(name: str):
-    """Class decorator: enters an instance of an :class:`AttentionBackend` subclass as ``name``."""
-
-    def register(cls):
-        if name in BACKENDS:
-            raise ValueError(f"attention backend {name!r} is registered twice")
-        if not issubclass(cls, AttentionBackend):
-            raise TypeError(f"{cls.__name__} must subclass AttentionBackend")
-        cls.name = name
-        BACKENDS[name] = cls()
-        return cls
-
-    return register
-
-
 def order(names) -> None:
-    """Puts the backends in ``auto``'s order: those ``names`` lists in its order, then each other one just before
-    the backend its :attr:`~AttentionBackend.comes_before` names (at the end without one)."""
-    unknown = [name for name in names if name not in BACKENDS]
+    """Puts one of each registered backend in :data:`BACKENDS`, in ``auto``'s order: those ``names`` lists in its
+    order, then each other one just before the backend its :attr:`~AttentionBackend.comes_before` names (at the end
+    without one)."""
+    unknown = [name for name in names if name not in REGISTERED]
     if unknown:
         raise ValueError(f"the order of the attention backends names unregistered ones: {', '.join(unknown)}")
-    ordered = [(name, BACKENDS[name]) for name in names]
-    for name, backend in list(BACKENDS.items()):
+    ordered = list(names)
+    for name, cls in REGISTERED.items():
         if name not in names:
-            places = [n for n, _ in ordered]
-            if backend.comes_before is not None and backend.comes_before not in places:
-                raise ValueError(f"attention backend {name!r} is to come before {backend.comes_before!r}, "
+            if cls.comes_before is not None and cls.comes_before not in ordered:
+                raise ValueError(f"attention backend {name!r} is to come before {cls.comes_before!r}, "
                                  "which is not registered")
-            place = len(ordered) if backend.comes_before is None else places.index(backend.comes_before)
-            ordered.insert(place, (name, backend))
+            ordered.insert(len(ordered) if cls.comes_before is None else ordered.index(cls.comes_before), name)
+    kept = dict(BACKENDS)
     BACKENDS.clear()
-    BACKENDS.update(ordered)
+    BACKENDS.update((name, kept.get(name) or REGISTERED[name]()) for name in ordered)
 
 
 def choices() -> Tuple[str, ...]:
