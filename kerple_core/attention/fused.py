@@ -281,8 +281,6 @@ class _FusedAttention(torch.autograd.Function):
         pad = kernels().TABLE_PAD.value
         tables = (slopes[:, None] * LOG2E).contiguous() if linear else _padded(values.detach() * LOG2E, pad), \
             placeholder if weight is None else _padded(weight.detach() * LOG2E, pad)
-        saved = tuple(_shifted_copies(table) for table in tables)  # the backward's
-        row_length = saved[0].size(-1)
         gates_in = placeholder if gates is None else (gates.detach() * LOG2E).contiguous()
         padding_in = placeholder if padding is None else padding
         threshold = dropout_threshold(dropout)
@@ -294,12 +292,14 @@ class _FusedAttention(torch.autograd.Function):
                      UPCAST=interpreted() and q.dtype == torch.bfloat16,
                      BLOCK_D=max(16, _next_power_of_2(head_dim)), D=head_dim)
         stream = (seed, threshold, keep_scale)
+        read = [_shifted_copies(table.flip(-1)) for table in tables]
+        row_length = read[0].size(-1)
         launch("forward_kernel", num_queries, batch * heads, q.device, (
-            q, k, v, out, lse, *(_shifted_copies(table.flip(-1)) for table in tables), gates_in, padding_in, *stream,
+            q, k, v, out, lse, *read, gates_in, padding_in, *stream,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
             heads, num_queries, num_keys, num_distances, row_length, offset, limit), flags)
-        ctx.save_for_backward(q, k, v, out, lse, *saved, gates_in, padding_in)
+        ctx.save_for_backward(q, k, v, out, lse, *tables, gates_in, padding_in)
         ctx.settings = (offset, limit, num_distances, row_length, stream, flags)
         ctx.needs = (ctx.needs_input_grad[3] or ctx.needs_input_grad[4], gates is not None, weight is not None)
         return out
@@ -332,7 +332,8 @@ class _FusedAttention(torch.autograd.Function):
         grad_weight = values.new_zeros(*rows, num_distances) if bias_grad and has_weight else placeholder
         launch("backward_kernel", num_keys, batch * heads, q.device, (
             q, k, v, grad_out, lse, delta, grad_q, grad_k, grad_v, grad_query_gates, grad_key_gates,
-            grad_values, grad_weight, *row_strides, values, weight, gates, padding, *stream,
+            grad_values, grad_weight, *row_strides, _shifted_copies(values), _shifted_copies(weight), gates, padding,
+            *stream,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
             heads, num_queries, num_keys, num_distances, row_length, offset, limit),

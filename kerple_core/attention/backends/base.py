@@ -50,6 +50,11 @@ class AttentionCall:
         """Neither the probabilities nor the scores are needed: every backend may serve it."""
         return not (self.need_probabilities or self.needs_scores)
 
+    @property
+    def through_a_mask(self) -> bool:
+        """Only the values needed, without key padding or a weight kernel: what a 4-D additive mask serves."""
+        return self.returns_values_only and self.key_padding_mask is None and not self.bias.has_weight
+
     def asked_for_a_later_backend(self, backend: "AttentionBackend") -> bool:
         """A backend tried after ``backend`` was asked for (``auto`` then leaves ``backend`` out)."""
         order = list(BACKENDS.values())

@@ -53,4 +53,4 @@ class FlexBackend(AttentionBackend):
         padding = None if call.key_padding_mask is None else call.key_padding_mask.to(torch.bool)
         bias = call.bias
         return flex.attend(call.q, call.k, call.v, bias.score_mod(call.q.dtype, call.q.device),
-                      bias.block_mask(call.q.device, padding)), None
+                           bias.block_mask(call.q.device, padding)), None

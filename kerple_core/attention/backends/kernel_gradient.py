@@ -21,8 +21,7 @@ class KernelGradientBackend(AttentionBackend):
     def takes(self, call: AttentionCall) -> bool:
         """Where it applies (:func:`~kerple_core.attention.kernel_gradient.applies`), only the values needed,
         without key padding or a weight kernel."""
-        return (call.returns_values_only and call.key_padding_mask is None and not call.bias.has_weight
-                and kernel_gradient.applies(call.q, call.k, call.bias, call.dropout))
+        return call.through_a_mask and kernel_gradient.applies(call.q, call.k, call.bias, call.dropout)
 
     def attend(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
         return kernel_gradient.attend_with_kernel_gradient(call.q, call.k, call.v, call.bias), None

@@ -33,7 +33,7 @@ class SdpaBackend(AttentionBackend):
 
     def takes(self, call: AttentionCall) -> bool:
         """Where it serves: only the values needed, no key padding, no weight kernel."""
-        return call.returns_values_only and call.key_padding_mask is None and not call.bias.has_weight
+        return call.through_a_mask
 
     def attend(self, call: AttentionCall) -> Tuple[Tensor, Optional[Tensor]]:
         q = call.q
