@@ -75,6 +75,8 @@ def hydra_train(data, save_dir, tmp_path):
 CASES = {
     "train: no such data-bin": (lambda t, d, s, c: train(t / "no-such-dir", s), "is not a fairseq data-bin", None),
     "train: a folder without dict.txt": (lambda t, d, s, c: train(t, s), "is not a fairseq data-bin", None),
+    "train: a file given as the data-bin": (lambda t, d, s, c: train(d / "dict.txt", s), "is not a fairseq data-bin",
+                                            None),
     "train: no valid split": (lambda t, d, s, c: train(a_split_short(t), s), "has no 'train' split", None),
     "train: truncated --restore-file": (lambda t, d, s, c: train(d, s, "--restore-file", c),
                                         "not a PyTorch file, or a damaged or truncated one", truncated),

@@ -43,10 +43,10 @@ def dictionary_mismatch(error: BaseException) -> Optional[str]:
 
 
 def missing_data_report(error: BaseException) -> Optional[str]:
-    """The one-line report of ``error`` if fairseq's own commands raised it for their data: a folder
+    """The one-line report of ``error`` if fairseq's own commands raised it for their data: a folder (or a file)
     without ``dict.txt``, a split the data-bin lacks, a checkpoint of another dictionary; registered with
     :func:`kerple_fairseq.errors.register_one_line_report` by :mod:`kerple_fairseq.fairseq_changes`."""
-    if isinstance(error, FileNotFoundError):
+    if isinstance(error, (FileNotFoundError, NotADirectoryError)):  # a file's "dict.txt": NotADirectoryError
         if error.filename and os.path.basename(str(error.filename)) == "dict.txt":
             return not_a_data_bin(os.path.dirname(str(error.filename)) or ".")
         missing = _MISSING_SPLIT.search(str(error))
