@@ -290,11 +290,19 @@ def trained(data_bin, tmp_path_factory):
     return _Trained(data_bin, tmp_path_factory)
 
 
+def stock_eval_lm_args(data_bin, checkpoint, length, *extra):
+    """fairseq-eval-lm's arguments for the valid split in non-overlapping blocks of ``length``."""
+    return [data_bin, "--path", checkpoint, "--gen-subset", "valid", "--tokens-per-sample", str(length),
+            "--context-window", "0", "--max-sentences", "1", "--cpu", "--num-workers", "0", *extra]
+
+
 def stock_eval_lm(data_bin, checkpoint, length, *extra):
     """Stock fairseq-eval-lm in non-overlapping blocks: (tokens scored, base-2 loss, perplexity)."""
-    proc = run([fairseq_cli("fairseq-eval-lm"), data_bin, "--path", checkpoint, "--gen-subset", "valid",
-                "--tokens-per-sample", str(length), "--context-window", "0", "--max-sentences", "1",
-                "--cpu", "--num-workers", "0", *extra])
+    return eval_lm_result(run([fairseq_cli("fairseq-eval-lm"), *stock_eval_lm_args(data_bin, checkpoint, length, *extra)]))
+
+
+def eval_lm_result(proc):
+    """(tokens scored, base-2 loss, perplexity) as fairseq-eval-lm's run ``proc`` reports them."""
     out = proc.stdout + proc.stderr
     tokens = int(re.search(r"Evaluated ([\d,]+) tokens", out).group(1).replace(",", ""))
     loss, ppl = map(float, re.search(r"Loss \(base 2\): ([\d.]+), Perplexity: ([\d.]+)", out).groups())

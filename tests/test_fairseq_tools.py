@@ -14,7 +14,9 @@ import torch
 from omegaconf import OmegaConf
 from fairseq.models.transformer_lm import TransformerLanguageModel
 
-from conftest import REPO, TRAIN_LENGTH, fairseq_cli, run, stock_eval_lm, train_in_process
+from conftest import (REPO, TRAIN_LENGTH, eval_lm_result, fairseq_cli, run, stock_eval_lm_args,
+                      train_in_process)
+from console_scripts import run_in_one_process
 from helpers import every_encoding
 from kerple_core.attention.methods import attention_method_option_fields
 from kerple_core.kernels import option_fields
@@ -33,7 +35,7 @@ USER_DIR = str(REPO / "kerple_fairseq")
 
 
 ENCODINGS = every_encoding()
-# the stock command-line tools start a process each: the comparison's encodings and learned positions
+# the stock command-line tools' encodings: the comparison's and learned positions
 TOOL_ENCODINGS = [*POSITION_ENCODINGS, "learned_pos"]
 PROMPTS = ["The game was released in", "In 1998 the", "He was born in the city of"]
 
@@ -155,32 +157,60 @@ def sampling_flags(*extra):
             "--sampling", "--sampling-topk", "10", "--seed", "1", "--max-len-b", "16", *extra]
 
 
+GENERATE = ["--gen-subset", "test", "--prefix-size", "3", "--sample-break-mode", "eos", "--max-tokens", "512",
+            "--required-batch-size-multiple", "1"]
+
+
+@pytest.fixture(scope="module")
+def tool_runs(sentence_trained, data_bin, prompts_bin, tmp_path_factory):
+    """fairseq-eval-lm, fairseq-generate and fairseq-interactive on each of :data:`TOOL_ENCODINGS`'
+    checkpoints, each through its console script's entry point, all in one process; by name, the
+    three runs' ``CompletedProcess``."""
+    prompts = tmp_path_factory.mktemp("interactive") / "prompts.txt"
+    prompts.write_text("".join(p + "\n" for p in PROMPTS))
+    runs = []
+    for name in TOOL_ENCODINGS:
+        checkpoint = sentence_trained[name]
+        runs += [("fairseq-eval-lm", stock_eval_lm_args(data_bin, checkpoint, TRAIN_LENGTH, "--user-dir", USER_DIR), REPO),
+                 ("fairseq-generate", [prompts_bin, "--path", checkpoint, *GENERATE, *sampling_flags()], REPO),
+                 ("fairseq-interactive", [data_bin, "--path", checkpoint, "--input", prompts, "--buffer-size", "3",
+                                          "--batch-size", "3", *sampling_flags()], REPO)]
+    done = run_in_one_process(runs, check=False)
+    return {name: done[3 * i: 3 * i + 3] for i, name in enumerate(TOOL_ENCODINGS)}
+
+
+def test_the_tools_in_one_process_are_the_installed_commands(tool_runs, sentence_trained, data_bin, prompts_bin):
+    """What the tests below read from one process running the three tools for every checkpoint is what
+    each installed command prints when started alone."""
+    checkpoint = sentence_trained["alibi"]
+    eval_lm, generate, _ = tool_runs["alibi"]
+    alone = run([fairseq_cli("fairseq-eval-lm"), *stock_eval_lm_args(data_bin, checkpoint, TRAIN_LENGTH, "--user-dir",
+                                                                     USER_DIR)])
+    assert eval_lm_result(alone) == eval_lm_result(eval_lm)
+    alone = run([fairseq_cli("fairseq-generate"), prompts_bin, "--path", checkpoint, *GENERATE, *sampling_flags()])
+    assert printed_hypotheses(alone.stdout) == printed_hypotheses(generate.stdout)
+
+
 @pytest.mark.parametrize("name", TOOL_ENCODINGS)
-def test_eval_lm_generate_and_interactive(sentence_trained, data_bin, prompts_bin, tmp_path, name):
-    checkpoint = sentence_trained[name]
-    model, task, _ = load_language_model(str(checkpoint), str(data_bin))
+def test_eval_lm_generate_and_interactive(tool_runs, sentence_trained, data_bin, name):
+    eval_lm, generated, interactive = tool_runs[name]
+    for proc in tool_runs[name]:
+        assert proc.returncode == 0, f"{proc.args[0]} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    model, task, _ = load_language_model(str(sentence_trained[name]), str(data_bin))
     model.eval()
     # fairseq-eval-lm: the plugin's own scorer over the same blocks
-    tokens, loss, _ = stock_eval_lm(data_bin, checkpoint, TRAIN_LENGTH, "--user-dir", USER_DIR)
+    tokens, loss, _ = eval_lm_result(eval_lm)
     stream = token_stream(task, str(data_bin), "valid")
     inputs = torch.cat([stream.new_tensor([task.source_dictionary.eos()]), stream[:-1]])
     scores = WindowScorer(model, inputs, stream, 4096, "cpu", progress=False).score(
         early_token_cursed(len(stream), TRAIN_LENGTH))
     total = sum(float(s.astype("float64").sum()) for s in scores)
     assert tokens == len(stream) and loss == pytest.approx(-total / len(stream) / math.log(2), abs=2e-4)
-    # fairseq-generate: sampled continuations of the test split's first four words
-    generated = run([fairseq_cli("fairseq-generate"), prompts_bin, "--path", checkpoint, "--gen-subset", "test",
-                     "--prefix-size", "3", "--sample-break-mode", "eos", "--max-tokens", "512",
-                     "--required-batch-size-multiple", "1",
-                     *sampling_flags()]).stdout
+    # fairseq-generate: sampled continuations of the test split's first three words
     prefixes = {i: " ".join(p.split()[:3]) for i, p in enumerate(PROMPTS)}
-    assert_printed_as_full_scoring(model, task.source_dictionary, generated, prefixes)
+    assert_printed_as_full_scoring(model, task.source_dictionary, generated.stdout, prefixes)
     # fairseq-interactive: prompts read from a file, three to a batch
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("".join(p + "\n" for p in PROMPTS))
-    interactive = run([fairseq_cli("fairseq-interactive"), data_bin, "--path", checkpoint, "--input", prompts,
-                       "--buffer-size", "3", "--batch-size", "3", *sampling_flags()]).stdout
-    assert_printed_as_full_scoring(model, task.source_dictionary, interactive, dict(enumerate(PROMPTS)))
+    assert_printed_as_full_scoring(model, task.source_dictionary, interactive.stdout, dict(enumerate(PROMPTS)))
 
 
 # ------------------------------------------------------------------------------------ hydra
@@ -227,27 +257,59 @@ def test_hydra_keys_are_derived_from_the_table():
     assert hydra_keys("dape_kerple_log") == ["model.dape=mlp"]
 
 
+FLAGS_RUN = ["--tokens-per-sample", "64", "--sample-break-mode", "none", "--max-tokens", "512",
+             "--criterion", "cross_entropy", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01",
+             "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000", "--lr", "0.0005", "--clip-norm", "1.0",
+             "--max-update", "3", "--cpu", "--seed", "5", "--num-workers", "0", "--disable-validation",
+             "--no-epoch-checkpoints"]
+
+
+@pytest.fixture(scope="module")
+def hydra_and_flags(data_bin, tmp_path_factory):
+    """For each of :data:`HYDRA_ENCODINGS`, a model trained by ``fairseq-hydra-train`` with
+    ``docs/hydra/kerple_lm.yaml`` and one trained by ``fairseq-train`` with the same options (the
+    YAML's, written as flags), through the console scripts' entry points, all in one process; by name,
+    the two runs' save folders."""
+    runs, folders = [], {}
+    for name in HYDRA_ENCODINGS:
+        folder = tmp_path_factory.mktemp(f"hydra-{name}")
+        runs += [("fairseq-hydra-train",
+                  ["--config-dir", REPO / "docs" / "hydra", "--config-name", "kerple_lm", f"task.data={data_bin}",
+                   f"common.user_dir={USER_DIR}", *hydra_keys(name), *HYDRA_MODEL, *HYDRA_RUN,
+                   f"checkpoint.save_dir={folder / 'hydra'}", f"hydra.run.dir={folder / 'hydra-outputs'}"], folder),
+                 ("fairseq-train",
+                  [data_bin, "--user-dir", USER_DIR, "--task", "language_modeling", *position_encoding(name).model_flags(),
+                   *model_size_flags(layers=2, width=32, heads=4, dropout=0.1), *FLAGS_RUN,
+                   "--save-dir", folder / "flags"], REPO)]
+        folders[name] = (folder / "hydra", folder / "flags")
+    run_in_one_process(runs)
+    return folders
+
+
 @pytest.mark.parametrize("name", HYDRA_ENCODINGS)
-def test_hydra_config_trains_the_model_fairseq_train_does(data_bin, tmp_path, name):
+def test_hydra_config_trains_the_model_fairseq_train_does(hydra_and_flags, name):
     """``fairseq-hydra-train`` with ``docs/hydra/kerple_lm.yaml`` gives, update for update, the model that
-    fairseq-train gives with the same options (the YAML's, written as flags)."""
-    run([fairseq_cli("fairseq-hydra-train"), "--config-dir", REPO / "docs" / "hydra", "--config-name", "kerple_lm",
-         f"task.data={data_bin}", f"common.user_dir={USER_DIR}", *hydra_keys(name),
-         *HYDRA_MODEL, *HYDRA_RUN, f"checkpoint.save_dir={tmp_path / 'hydra'}",
-         f"hydra.run.dir={tmp_path / 'hydra-outputs'}"], cwd=tmp_path)
-    encoding = position_encoding(name)
-    run([fairseq_cli("fairseq-train"), data_bin, "--user-dir", USER_DIR, "--task", "language_modeling",
-         *encoding.model_flags(), *model_size_flags(layers=2, width=32, heads=4, dropout=0.1),
-         "--tokens-per-sample", "64", "--sample-break-mode", "none", "--max-tokens", "512",
-         "--criterion", "cross_entropy", "--optimizer", "adam", "--adam-betas", "(0.9, 0.98)", "--weight-decay", "0.01",
-         "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "4000", "--lr", "0.0005", "--clip-norm", "1.0",
-         "--max-update", "3", "--cpu", "--seed", "5", "--num-workers", "0", "--disable-validation",
-         "--no-epoch-checkpoints", "--save-dir", tmp_path / "flags"])
-    hydra = torch.load(tmp_path / "hydra" / "checkpoint_last.pt", weights_only=True)["model"]
-    flags = torch.load(tmp_path / "flags" / "checkpoint_last.pt", weights_only=True)["model"]
+    fairseq-train gives with the same options."""
+    hydra_dir, flags_dir = hydra_and_flags[name]
+    hydra = torch.load(hydra_dir / "checkpoint_last.pt", weights_only=True)["model"]
+    flags = torch.load(flags_dir / "checkpoint_last.pt", weights_only=True)["model"]
     assert hydra.keys() == flags.keys()
     for key in flags:
         assert torch.equal(hydra[key], flags[key]), key
+
+
+def test_hydra_train_alone_is_what_it_is_among_others(hydra_and_flags, data_bin, tmp_path):
+    """The installed fairseq-hydra-train started alone saves the model it saves in the process that
+    runs every encoding's training."""
+    name = HYDRA_ENCODINGS[-1]
+    run([fairseq_cli("fairseq-hydra-train"), "--config-dir", REPO / "docs" / "hydra", "--config-name", "kerple_lm",
+         f"task.data={data_bin}", f"common.user_dir={USER_DIR}", *hydra_keys(name), *HYDRA_MODEL, *HYDRA_RUN,
+         f"checkpoint.save_dir={tmp_path / 'hydra'}", f"hydra.run.dir={tmp_path / 'hydra-outputs'}"], cwd=tmp_path)
+    alone = torch.load(tmp_path / "hydra" / "checkpoint_last.pt", weights_only=True)["model"]
+    among = torch.load(hydra_and_flags[name][0] / "checkpoint_last.pt", weights_only=True)["model"]
+    assert alone.keys() == among.keys()
+    for key in alone:
+        assert torch.equal(alone[key], among[key]), key
 
 
 # ------------------------------------------------------------------------------------ --task
