@@ -164,7 +164,7 @@ GENERATE = ["--gen-subset", "test", "--prefix-size", "3", "--sample-break-mode",
 @pytest.fixture(scope="module")
 def tool_runs(sentence_trained, data_bin, prompts_bin, tmp_path_factory):
     """fairseq-eval-lm, fairseq-generate and fairseq-interactive on each of :data:`TOOL_ENCODINGS`'
-    checkpoints, each through its console script's entry point, all in one process; by name, the
+    checkpoints, each through its console script's entry point, forked from one process; by name, the
     three runs' ``CompletedProcess``."""
     prompts = tmp_path_factory.mktemp("interactive") / "prompts.txt"
     prompts.write_text("".join(p + "\n" for p in PROMPTS))
@@ -268,7 +268,7 @@ FLAGS_RUN = ["--tokens-per-sample", "64", "--sample-break-mode", "none", "--max-
 def hydra_and_flags(data_bin, tmp_path_factory):
     """For each of :data:`HYDRA_ENCODINGS`, a model trained by ``fairseq-hydra-train`` with
     ``docs/hydra/kerple_lm.yaml`` and one trained by ``fairseq-train`` with the same options (the
-    YAML's, written as flags), through the console scripts' entry points, all in one process; by name,
+    YAML's, written as flags), through the console scripts' entry points, forked from one process; by name,
     the two runs' save folders."""
     runs, folders = [], {}
     for name in HYDRA_ENCODINGS:

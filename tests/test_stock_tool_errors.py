@@ -10,13 +10,15 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import BIN, REPO, TRAIN_FLAGS, run
+from console_scripts import run_in_one_process
 
-pytestmark = pytest.mark.slow  # a process per command
+pytestmark = pytest.mark.slow  # a process per command, forked from one that imported fairseq
 
 USER_DIR = ["--user-dir", str(REPO / "kerple_fairseq")]
 ARCH = ["--arch", "transformer_lm_kerple", "--bias-kernel", "alibi"]
@@ -125,19 +127,45 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def case_runs(data_bin, tmp_path_factory):
+    """Each case's command in a folder of its own, forked from one process (tests/console_scripts.py):
+    by case, (its run, its folder, its bad checkpoint's path, that file's bytes before the run)."""
+    prepared, runs = {}, []
+    for case, (command, _, bad_file) in CASES.items():
+        folder = tmp_path_factory.mktemp("case")
+        checkpoint, save_dir = folder / "bad.pt", folder / "checkpoints" / "run"
+        if bad_file:
+            bad_file(checkpoint)
+        prepared[case] = (folder, checkpoint, checkpoint.read_bytes() if bad_file else None)
+        program, *args = command(folder, data_bin, save_dir, checkpoint)
+        runs.append((Path(program).name, args, folder, "hello\n"))
+    done = run_in_one_process(runs, check=False)
+    return {case: (proc, *prepared[case]) for case, proc in zip(CASES, done)}
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_to_a_stock_command_is_one_line(case, data_bin, tmp_path):
-    command, expected, bad_file = CASES[case]
-    checkpoint, save_dir = tmp_path / "bad.pt", tmp_path / "checkpoints" / "run"
-    if bad_file:
-        bad_file(checkpoint)
-    before = checkpoint.read_bytes() if bad_file else None
-    proc = run(command(tmp_path, data_bin, save_dir, checkpoint), cwd=tmp_path, check=False, input="hello\n")
+def test_bad_input_to_a_stock_command_is_one_line(case, case_runs):
+    proc, folder, checkpoint, before = case_runs[case]
+    expected = CASES[case][1]
     reports = [line for line in proc.stderr.splitlines() if line.startswith("kerple_fairseq: error: ")]
     assert proc.returncode != 0 and len(reports) == 1 and expected in reports[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and not any(EXCEPTION_LINE.match(line) for line in proc.stderr.splitlines())
-    assert not (tmp_path / "checkpoints").exists(), "the refused run left its --save-dir behind"
-    assert (checkpoint.read_bytes() if bad_file else None) == before
+    assert not (folder / "checkpoints").exists(), "the refused run left its --save-dir behind"
+    assert (checkpoint.read_bytes() if before is not None else None) == before
+
+
+def test_a_stock_command_alone_reports_as_among_others(case_runs, data_bin, tmp_path):
+    """A case's command started alone, as a user types it, prints what it prints forked among the others."""
+    case = "eval-lm: truncated checkpoint"
+    command, _, bad_file = CASES[case]
+    bad_file(tmp_path / "bad.pt")
+    alone = run(command(tmp_path, data_bin, tmp_path / "checkpoints" / "run", tmp_path / "bad.pt"), cwd=tmp_path,
+                check=False)
+    among = case_runs[case][0]
+    assert alone.returncode == among.returncode
+    assert alone.stderr.splitlines()[-1].replace(str(tmp_path), "") == among.stderr.splitlines()[-1].replace(
+        str(case_runs[case][1]), "")
 
 
 def test_a_run_that_saves_makes_its_save_dir(data_bin, tmp_path):
