@@ -1,6 +1,6 @@
 """Installed console scripts (fairseq-eval-lm, fairseq-generate, fairseq-hydra-train, kerple-eval-lm, ...)
-run from one Python process that has imported torch and fairseq once: each run is a process forked
-from it, which does what the script does (``sys.exit(entry_point())`` with the script's ``sys.argv``)
+run from one Python process that has imported the scripts' modules once (what each script imports
+first: torch and fairseq with them, as the script imports them): each run is a process forked from it, which does what the script does (``sys.exit(entry_point())`` with the script's ``sys.argv``)
 with its own working folder, standard input, output and error, and ends as the interpreter ends a
 script (an uncaught exception through ``sys.excepthook``, then the exit handlers). Nothing a run does
 (the plugin imported by ``--user-dir``, logging set up, a TensorBoard writer kept) reaches the next. A
@@ -17,13 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-#: what the forking process imports before its first run: what every console script here imports
-PRELOADED = ("torch", "fairseq", "fairseq.options", "fairseq.checkpoint_utils", "fairseq.tasks", "fairseq.models")
-
-
 def run_in_one_process(runs, check=True):
     """``runs``: ``(script, arguments, working folder)`` or ``(script, arguments, working folder, standard
-    input)``. Returns a ``CompletedProcess`` for each, in order; with ``check``, the first that failed
+    input)``, of scripts of one package (fairseq's, or the plugin's: the plugin imports fairseq otherwise
+    than fairseq's scripts do, so a process that has imported one is not the start of the other). Returns a ``CompletedProcess`` for each, in order; with ``check``, the first that failed
     raises with its output."""
     with tempfile.TemporaryDirectory() as folder:
         plan = []
@@ -48,31 +45,35 @@ def run_in_one_process(runs, check=True):
         return done
 
 
-def _as_the_script(step):
-    """In the forked process: ``step``'s script with its arguments, folder and files. Never returns: the
-    ``SystemExit`` or uncaught exception ends this process as it ends the script's own."""
+def _entry_point(script):
     from importlib.metadata import entry_points
 
+    (found,) = entry_points(group="console_scripts", name=script)
+    return found
+
+
+def _as_the_script(step, entry_point):
+    """In the forked process: ``step``'s script with its arguments, folder and files. Never returns: the
+    ``SystemExit`` or uncaught exception ends this process as it ends the script's own."""
     for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
         with open(step[name], mode) as file:
             os.dup2(file.fileno(), fd)
     os.chdir(step["cwd"])
     sys.argv = [step["script"], *step["args"]]
-    (entry_point,) = entry_points(group="console_scripts", name=step["script"])
-    sys.exit(entry_point.load()())
+    sys.exit(entry_point())
 
 
 def main(plan):
-    import importlib
-
-    for module in PRELOADED:
-        importlib.import_module(module)
+    entry_points = {step["script"]: _entry_point(step["script"]) for step in plan}
+    packages = {found.module.split(".")[0] for found in entry_points.values()}
+    assert len(packages) == 1, f"scripts of one package in one plan, not of {sorted(packages)}"
+    loaded = {script: found.load() for script, found in entry_points.items()}  # imports their modules
     for step in plan:
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _as_the_script(step)
+            _as_the_script(step, loaded[step["script"]])
         _, status = os.waitpid(pid, 0)
         Path(step["status"]).write_text(str(os.waitstatus_to_exitcode(status)))
 

@@ -13,7 +13,8 @@ from kerple_fairseq.analysis.kernel_curves import load_kernel
 from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation.loading import load_checkpoint_state, load_language_model
 
-from conftest import BIN, run
+from conftest import BIN, REPO, run
+from console_scripts import run_in_one_process
 
 
 def real_checkpoint(trained):
@@ -115,20 +116,48 @@ def test_fuzzed_checkpoints_are_one_line(trained, data_bin, tmp_path):
     assert outcomes["refused"] >= 20, outcomes  # every truncation at least
 
 
+def commands(data_bin, path, folder):
+    return {"kerple-eval-lm": [data_bin, "--path", path, "--cpu", "--no-progress-bar"],
+            "kerple-analyze": ["kernels", "--path", path, "--out", folder / "analysis"]}
+
+
+@pytest.fixture(scope="module")
+def command_runs(trained, data_bin, tmp_path_factory):
+    """kerple-eval-lm and kerple-analyze on each kind of bad file, forked from one process
+    (tests/console_scripts.py): by kind, (the file, its contents before, its folder, {program: run})."""
+    prepared, runs = {}, []
+    for kind in KINDS:
+        folder = tmp_path_factory.mktemp("bad-file")
+        path = folder / "checkpoint.pt"
+        KINDS[kind](trained, path)
+        prepared[kind] = (path, contents(path), folder)
+        runs += [(prog, args, REPO) for prog, args in commands(data_bin, path, folder).items()]
+    done = iter(run_in_one_process(runs, check=False))
+    return {kind: (*prepared[kind], {prog: next(done) for prog in ("kerple-eval-lm", "kerple-analyze")})
+            for kind in KINDS}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("bad_file", list(KINDS), indirect=True)
-def test_each_kind_of_bad_file_is_one_line_from_the_commands(bad_file, data_bin, tmp_path):
-    kind, path = bad_file
-    before = contents(path)
-    commands = {
-        "kerple-eval-lm": [BIN / "kerple-eval-lm", data_bin, "--path", path, "--cpu", "--no-progress-bar"],
-        "kerple-analyze": [BIN / "kerple-analyze", "kernels", "--path", path, "--out", tmp_path / "analysis"],
-    }
-    for prog, cmd in commands.items():
-        proc = run(cmd, check=False)
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_kind_of_bad_file_is_one_line_from_the_commands(command_runs, kind):
+    path, before, folder, runs = command_runs[kind]
+    for prog, proc in runs.items():
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, (prog, kind, proc.stderr[-3000:])
         assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: ") and str(path) in lines[0], (prog, lines)
         assert "\x1b" not in proc.stderr
     assert contents(path) == before
-    assert not (tmp_path / "analysis").exists()
+    assert not (folder / "analysis").exists()
+
+
+@pytest.mark.slow
+def test_the_commands_alone_report_a_bad_file_as_among_others(command_runs, data_bin, tmp_path):
+    """The installed commands started alone, as a user types them, print what they print forked among
+    the others."""
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(command_runs["truncated"][0].read_bytes())
+    for prog, args in commands(data_bin, path, tmp_path).items():
+        alone = run([BIN / prog, *args], check=False)
+        among = command_runs["truncated"][3][prog]
+        assert alone.returncode == among.returncode == 1
+        assert alone.stderr.replace(str(tmp_path), "") == among.stderr.replace(str(command_runs["truncated"][2]), "")
