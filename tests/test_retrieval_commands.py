@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import BIN, REPO, run
+from console_scripts import run_in_one_process
 from kerple_fairseq.evaluation.loading import load_language_model
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS
 from kerple_fairseq.tasks.retrieval_sequences import TASKS
@@ -35,8 +36,7 @@ def checkpoint(tmp_path_factory):
 
 
 def kerple_eval(checkpoint, *flags, check=True):
-    return run([BIN / "python", REPO / "scripts" / "eval_lm.py", *TASK, "--path", checkpoint, "--cpu",
-                "--gen-subset", "valid", *map(str, flags)], check=check)
+    return run([BIN / "python", REPO / "scripts" / "eval_lm.py", *kerple_eval_args(checkpoint, *flags)], check=check)
 
 
 def test_accuracy_equals_a_brute_force_scoring(checkpoint, tmp_path):
@@ -80,7 +80,7 @@ def test_fairseq_eval_lm_scores_the_answers_as_the_plugin_does(checkpoint, tmp_p
         assert fairseq_eval_lm_loss(checkpoint, r["task"], 2 * LENGTH) == pytest.approx(r["loss"], abs=1.5e-4)
 
 
-@pytest.mark.parametrize("flags, message", [
+EVAL_ERRORS = [
     (["--lengths", "16"], "length 16 is too short for mqar: it needs 24 or more"),
     (["--per-token", "x.npz"], "--per-token is for language modelling on a data-bin"),
     (["--retrieval-vocabulary", "32"], "was trained with other symbols (retrieval_vocabulary): give "
@@ -90,11 +90,31 @@ def test_fairseq_eval_lm_scores_the_answers_as_the_plugin_does(checkpoint, tmp_p
     (["--results-json", "/no/such/dir/r.json"], "directory /no/such/dir does not exist"),
     (["--gen-subset", "train"], "--gen-subset train: the training examples are drawn for the mixture of tasks"),
     (["--lengths", "64", "16"], "length 16 is too short for mqar"),
-])
-def test_kerple_eval_lm_errors_are_one_line(checkpoint, flags, message):
-    proc = kerple_eval(checkpoint, *flags, check=False)
+]
+
+
+def kerple_eval_args(checkpoint, *flags):
+    return [*TASK, "--path", checkpoint, "--cpu", "--gen-subset", "valid", *map(str, flags)]
+
+
+@pytest.fixture(scope="module")
+def eval_error_runs(checkpoint):
+    """kerple-eval-lm with each of :data:`EVAL_ERRORS`' flags, forked from one process
+    (tests/console_scripts.py)."""
+    return run_in_one_process([("kerple-eval-lm", kerple_eval_args(checkpoint, *flags), REPO)
+                               for flags, _ in EVAL_ERRORS], check=False)
+
+
+@pytest.mark.parametrize("case", range(len(EVAL_ERRORS)))
+def test_kerple_eval_lm_errors_are_one_line(eval_error_runs, case):
+    proc, message = eval_error_runs[case], EVAL_ERRORS[case][1]
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_script_alone_reports_as_the_command_among_others(eval_error_runs, checkpoint):
+    alone = kerple_eval(checkpoint, *EVAL_ERRORS[0][0], check=False)
+    assert (alone.returncode, alone.stderr) == (eval_error_runs[0].returncode, eval_error_runs[0].stderr)
 
 
 def test_a_language_model_is_not_evaluated_as_retrieval():
@@ -103,18 +123,28 @@ def test_a_language_model_is_not_evaluated_as_retrieval():
     assert "was trained with --task language_modeling, not retrieval" in proc.stderr
 
 
-@pytest.mark.slow  # a process per command
-@pytest.mark.parametrize("flags, message", [
+TRAIN_ERRORS = [
     (["--retrieval-tasks", "recall"], "--retrieval-tasks 'recall': choose among mqar, passkey, copy"),
     (["--mqar-queries", "9"], "--mqar-queries must be between 1 and --mqar-pairs (8)"),
     (["--passkey-depth", "2"], "--passkey-depth must be between 0 (first) and 1 (last)"),
     (["--tokens-per-sample", "8"], "--tokens-per-sample 8 is too short for mqar"),
-])
-def test_fairseq_train_refuses_bad_options_in_one_line(tmp_path, flags, message):
-    save_dir = tmp_path / "save"
-    proc = run([BIN / "fairseq-train", *USER_DIR, *TASK, *flags, "--arch", "transformer_lm_alibi", *TINY,
-                "--max-tokens", "512", "--optimizer", "adam", "--lr", "0.003", "--max-update", "1", "--cpu",
-                "--save-dir", save_dir], check=False)
+]
+
+
+@pytest.fixture(scope="module")
+def train_error_runs(tmp_path_factory):
+    """fairseq-train with each of :data:`TRAIN_ERRORS`' flags, forked from one process: (run, save dir)."""
+    save_dirs = [tmp_path_factory.mktemp("refused") / "save" for _ in TRAIN_ERRORS]
+    runs = [("fairseq-train", [*USER_DIR, *TASK, *flags, "--arch", "transformer_lm_alibi", *TINY, "--max-tokens", "512",
+                               "--optimizer", "adam", "--lr", "0.003", "--max-update", "1", "--cpu", "--save-dir",
+                               save_dir], REPO) for (flags, _), save_dir in zip(TRAIN_ERRORS, save_dirs)]
+    return list(zip(run_in_one_process(runs, check=False), save_dirs))
+
+
+@pytest.mark.slow  # a process per command, forked from one
+@pytest.mark.parametrize("case", range(len(TRAIN_ERRORS)))
+def test_fairseq_train_refuses_bad_options_in_one_line(train_error_runs, case):
+    (proc, save_dir), message = train_error_runs[case], TRAIN_ERRORS[case][1]
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert message in proc.stderr and not save_dir.exists()
 
