@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import BIN, REPO, run
-from console_scripts import run_in_one_process
+from console_scripts import comparable, run_in_one_process
 from kerple_fairseq.evaluation.loading import load_language_model
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS
 from kerple_fairseq.tasks.retrieval_sequences import TASKS
@@ -135,10 +135,13 @@ TRAIN_ERRORS = [
 def train_error_runs(tmp_path_factory):
     """fairseq-train with each of :data:`TRAIN_ERRORS`' flags, forked from one process: (run, save dir)."""
     save_dirs = [tmp_path_factory.mktemp("refused") / "save" for _ in TRAIN_ERRORS]
-    runs = [("fairseq-train", [*USER_DIR, *TASK, *flags, "--arch", "transformer_lm_alibi", *TINY, "--max-tokens", "512",
-                               "--optimizer", "adam", "--lr", "0.003", "--max-update", "1", "--cpu", "--save-dir",
-                               save_dir], REPO) for (flags, _), save_dir in zip(TRAIN_ERRORS, save_dirs)]
+    runs = [("fairseq-train", refused_training(flags, save_dir), REPO) for (flags, _), save_dir in zip(TRAIN_ERRORS, save_dirs)]
     return list(zip(run_in_one_process(runs, check=False), save_dirs))
+
+
+def refused_training(flags, save_dir):
+    return [*USER_DIR, *TASK, *flags, "--arch", "transformer_lm_alibi", *TINY, "--max-tokens", "512", "--optimizer",
+            "adam", "--lr", "0.003", "--max-update", "1", "--cpu", "--save-dir", save_dir]
 
 
 @pytest.mark.slow  # a process per command, forked from one
@@ -147,6 +150,13 @@ def test_fairseq_train_refuses_bad_options_in_one_line(train_error_runs, case):
     (proc, save_dir), message = train_error_runs[case], TRAIN_ERRORS[case][1]
     assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert message in proc.stderr and not save_dir.exists()
+
+
+@pytest.mark.slow
+def test_fairseq_train_alone_refuses_as_among_others(train_error_runs, tmp_path):
+    alone = run([BIN / "fairseq-train", *refused_training(TRAIN_ERRORS[0][0], tmp_path / "save")], check=False)
+    among, save_dir = train_error_runs[0]
+    assert comparable(alone, tmp_path) == comparable(among, save_dir.parent)
 
 
 # --- the comparison --------------------------------------------------------------------------------------

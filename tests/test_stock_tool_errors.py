@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import BIN, REPO, TRAIN_FLAGS, run
-from console_scripts import run_in_one_process
+from console_scripts import comparable, run_in_one_process
 
 pytestmark = pytest.mark.slow  # a process per command, forked from one that imported fairseq
 
@@ -155,17 +155,17 @@ def test_bad_input_to_a_stock_command_is_one_line(case, case_runs):
     assert (checkpoint.read_bytes() if before is not None else None) == before
 
 
-def test_a_stock_command_alone_reports_as_among_others(case_runs, data_bin, tmp_path):
+@pytest.mark.parametrize("case", ["eval-lm: truncated checkpoint", "train: --max-tokens that leaves no batch",
+                                  "interactive: truncated checkpoint"])
+def test_a_stock_command_alone_prints_what_it_prints_among_others(case_runs, data_bin, tmp_path, case):
     """A case's command started alone, as a user types it, prints what it prints forked among the others."""
-    case = "eval-lm: truncated checkpoint"
     command, _, bad_file = CASES[case]
-    bad_file(tmp_path / "bad.pt")
+    if bad_file:
+        bad_file(tmp_path / "bad.pt")
     alone = run(command(tmp_path, data_bin, tmp_path / "checkpoints" / "run", tmp_path / "bad.pt"), cwd=tmp_path,
-                check=False)
-    among = case_runs[case][0]
-    assert alone.returncode == among.returncode
-    assert alone.stderr.splitlines()[-1].replace(str(tmp_path), "") == among.stderr.splitlines()[-1].replace(
-        str(case_runs[case][1]), "")
+                check=False, input="hello\n")
+    among, folder = case_runs[case][:2]
+    assert comparable(alone, tmp_path) == comparable(among, folder)
 
 
 def test_a_run_that_saves_makes_its_save_dir(data_bin, tmp_path):
