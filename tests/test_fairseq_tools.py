@@ -264,6 +264,13 @@ FLAGS_RUN = ["--tokens-per-sample", "64", "--sample-break-mode", "none", "--max-
              "--no-epoch-checkpoints"]
 
 
+def hydra_train_args(name, data_bin, folder):
+    """fairseq-hydra-train's arguments for encoding ``name``, saving into ``folder``/hydra."""
+    return ["--config-dir", REPO / "docs" / "hydra", "--config-name", "kerple_lm", f"task.data={data_bin}",
+            f"common.user_dir={USER_DIR}", *hydra_keys(name), *HYDRA_MODEL, *HYDRA_RUN,
+            f"checkpoint.save_dir={folder / 'hydra'}", f"hydra.run.dir={folder / 'hydra-outputs'}"]
+
+
 @pytest.fixture(scope="module")
 def hydra_and_flags(data_bin, tmp_path_factory):
     """For each of :data:`HYDRA_ENCODINGS`, a model trained by ``fairseq-hydra-train`` with
@@ -273,10 +280,7 @@ def hydra_and_flags(data_bin, tmp_path_factory):
     runs, folders = [], {}
     for name in HYDRA_ENCODINGS:
         folder = tmp_path_factory.mktemp(f"hydra-{name}")
-        runs += [("fairseq-hydra-train",
-                  ["--config-dir", REPO / "docs" / "hydra", "--config-name", "kerple_lm", f"task.data={data_bin}",
-                   f"common.user_dir={USER_DIR}", *hydra_keys(name), *HYDRA_MODEL, *HYDRA_RUN,
-                   f"checkpoint.save_dir={folder / 'hydra'}", f"hydra.run.dir={folder / 'hydra-outputs'}"], folder),
+        runs += [("fairseq-hydra-train", hydra_train_args(name, data_bin, folder), folder),
                  ("fairseq-train",
                   [data_bin, "--user-dir", USER_DIR, "--task", "language_modeling", *position_encoding(name).model_flags(),
                    *model_size_flags(layers=2, width=32, heads=4, dropout=0.1), *FLAGS_RUN,
@@ -302,9 +306,7 @@ def test_hydra_train_alone_is_what_it_is_among_others(hydra_and_flags, data_bin,
     """The installed fairseq-hydra-train started alone saves the model it saves in the process that
     runs every encoding's training."""
     name = HYDRA_ENCODINGS[-1]
-    run([fairseq_cli("fairseq-hydra-train"), "--config-dir", REPO / "docs" / "hydra", "--config-name", "kerple_lm",
-         f"task.data={data_bin}", f"common.user_dir={USER_DIR}", *hydra_keys(name), *HYDRA_MODEL, *HYDRA_RUN,
-         f"checkpoint.save_dir={tmp_path / 'hydra'}", f"hydra.run.dir={tmp_path / 'hydra-outputs'}"], cwd=tmp_path)
+    run([fairseq_cli("fairseq-hydra-train"), *hydra_train_args(name, data_bin, tmp_path)], cwd=tmp_path)
     alone = torch.load(tmp_path / "hydra" / "checkpoint_last.pt", weights_only=True)["model"]
     among = torch.load(hydra_and_flags[name][0] / "checkpoint_last.pt", weights_only=True)["model"]
     assert alone.keys() == among.keys()
