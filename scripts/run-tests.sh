@@ -6,4 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-env.sh
+# The suite starts several hundred Python processes; where PYTHONDONTWRITEBYTECODE is set, none would keep
+# the checkout's compiled modules and each would compile them again (about 0.6 s a process): compile them once.
+.venv/bin/python -m compileall -q kerple_core kerple_fairseq gpu_tools scripts tests
 exec .venv/bin/python -m pytest -q -n "${KERPLE_TEST_WORKERS:-2}" --dist loadgroup tests "$@"

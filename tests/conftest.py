@@ -130,6 +130,11 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
+    if WORKER:
+        # pytest-xdist hands out the tests that stand alone in the order collected, after the modules kept
+        # together: the slow ones first, so that the run does not end with one worker on a long test
+        # and the other idle (the slow tests keep their order among themselves, as do the others)
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     import torch
 
     if torch.cuda.is_available():
@@ -290,9 +295,9 @@ def trained(data_bin, tmp_path_factory):
     return _Trained(data_bin, tmp_path_factory)
 
 
-def stock_eval_lm_args(data_bin, checkpoint, length, *extra):
-    """fairseq-eval-lm's arguments for the valid split in non-overlapping blocks of ``length``."""
-    return [data_bin, "--path", checkpoint, "--gen-subset", "valid", "--tokens-per-sample", str(length),
+def stock_eval_lm_args(data_bin, checkpoint, length, *extra, split="valid"):
+    """fairseq-eval-lm's arguments for ``split`` in non-overlapping blocks of ``length``."""
+    return [data_bin, "--path", checkpoint, "--gen-subset", split, "--tokens-per-sample", str(length),
             "--context-window", "0", "--max-sentences", "1", "--cpu", "--num-workers", "0", *extra]
 
 

@@ -32,6 +32,8 @@ from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS, po
 pytestmark = pytest.mark.slow
 
 USER_DIR = str(REPO / "kerple_fairseq")
+#: the split fairseq-eval-lm scores for each checkpoint (half as many tokens as the valid split)
+EVAL_SPLIT = "test"
 
 
 ENCODINGS = every_encoding()
@@ -171,7 +173,8 @@ def tool_runs(sentence_trained, data_bin, prompts_bin, tmp_path_factory):
     runs = []
     for name in TOOL_ENCODINGS:
         checkpoint = sentence_trained[name]
-        runs += [("fairseq-eval-lm", stock_eval_lm_args(data_bin, checkpoint, TRAIN_LENGTH, "--user-dir", USER_DIR), REPO),
+        eval_lm = stock_eval_lm_args(data_bin, checkpoint, TRAIN_LENGTH, "--user-dir", USER_DIR, split=EVAL_SPLIT)
+        runs += [("fairseq-eval-lm", eval_lm, REPO),
                  ("fairseq-generate", [prompts_bin, "--path", checkpoint, *GENERATE, *sampling_flags()], REPO),
                  ("fairseq-interactive", [data_bin, "--path", checkpoint, "--input", prompts, "--buffer-size", "3",
                                           "--batch-size", "3", *sampling_flags()], REPO)]
@@ -185,7 +188,7 @@ def test_the_tools_in_one_process_are_the_installed_commands(tool_runs, sentence
     checkpoint = sentence_trained["alibi"]
     eval_lm, generate, _ = tool_runs["alibi"]
     alone = run([fairseq_cli("fairseq-eval-lm"), *stock_eval_lm_args(data_bin, checkpoint, TRAIN_LENGTH, "--user-dir",
-                                                                     USER_DIR)])
+                                                                     USER_DIR, split=EVAL_SPLIT)])
     assert eval_lm_result(alone) == eval_lm_result(eval_lm)
     alone = run([fairseq_cli("fairseq-generate"), prompts_bin, "--path", checkpoint, *GENERATE, *sampling_flags()])
     assert printed_hypotheses(alone.stdout) == printed_hypotheses(generate.stdout)
@@ -200,7 +203,7 @@ def test_eval_lm_generate_and_interactive(tool_runs, sentence_trained, data_bin,
     model.eval()
     # fairseq-eval-lm: the plugin's own scorer over the same blocks
     tokens, loss, _ = eval_lm_result(eval_lm)
-    stream = token_stream(task, str(data_bin), "valid")
+    stream = token_stream(task, str(data_bin), EVAL_SPLIT)
     inputs = torch.cat([stream.new_tensor([task.source_dictionary.eos()]), stream[:-1]])
     scores = WindowScorer(model, inputs, stream, 4096, "cpu", progress=False).score(
         early_token_cursed(len(stream), TRAIN_LENGTH))
