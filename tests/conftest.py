@@ -130,11 +130,6 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    if WORKER:
-        # pytest-xdist hands out the tests that stand alone in the order collected, after the modules kept
-        # together: the slow ones first, so that the run does not end with one worker on a long test
-        # and the other idle (the slow tests keep their order among themselves, as do the others)
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     import torch
 
     if torch.cuda.is_available():
