@@ -297,8 +297,11 @@ def stock_eval_lm_args(data_bin, checkpoint, length, *extra, split="valid"):
 
 
 def stock_eval_lm(data_bin, checkpoint, length, *extra):
-    """Stock fairseq-eval-lm in non-overlapping blocks: (tokens scored, base-2 loss, perplexity)."""
-    return eval_lm_result(run([fairseq_cli("fairseq-eval-lm"), *stock_eval_lm_args(data_bin, checkpoint, length, *extra)]))
+    """Stock fairseq-eval-lm in non-overlapping blocks, forked (:mod:`console_scripts`): (tokens scored, base-2
+    loss, perplexity)."""
+    from console_scripts import run_forked
+
+    return eval_lm_result(run_forked("fairseq-eval-lm", stock_eval_lm_args(data_bin, checkpoint, length, *extra), REPO))
 
 
 def eval_lm_result(proc):

@@ -1,15 +1,16 @@
 """Installed console scripts (fairseq-eval-lm, fairseq-generate, fairseq-hydra-train, kerple-eval-lm, ...)
 run many times without starting Python, torch and fairseq each time (about 5 s a process on 2 cores).
-For each script, one process does what the script's first line does, importing its entry point's module
-(its output kept), then forks a process for each run. That process starts its output with what the
+For each script, each pytest worker keeps one process that does what the script's first line does,
+importing its entry point's module (its output kept), then forks a process for each run, for every test
+that asks. That process starts its output with what the
 import printed, as the script's own process would, takes the run's working folder, standard input and
 ``sys.argv``, calls ``sys.exit(entry_point())`` and ends as the interpreter ends a script (an uncaught
 exception through ``sys.excepthook``, then the exit handlers). Nothing one run does (the plugin imported
 by ``--user-dir``, logging set up, a TensorBoard writer kept open) reaches the next, and no process
 has imported another script's module (fairseq's scripts and the plugin's set logging up differently).
 
-``run_in_one_process(runs)`` gives back a ``subprocess.CompletedProcess`` for each run, as
-:func:`conftest.run` does."""
+``run_forked(script, args, cwd)`` gives back the run's ``subprocess.CompletedProcess``, as
+:func:`conftest.run` does, and ``run_each_forked(runs)`` one for each of several runs."""
 
 import json
 import os
@@ -25,36 +26,84 @@ from pathlib import Path
 RUN_LIMIT = 600
 
 
-def run_in_one_process(runs, check=True):
-    """``runs``: ``(script, arguments, working folder)`` or ``(script, arguments, working folder, standard
-    input)``, each script's runs forked from one process of its own. Returns a ``CompletedProcess`` for
-    each run, in order; with ``check``, the first that failed raises with its output."""
+def run_forked(script, args, cwd, stdin="", check=True):
+    """One run of the installed console script ``script``, forked from this worker's process that imported
+    it (started at the first run, and again where the environment has changed since). Returns its
+    ``CompletedProcess``; with ``check``, a failed run raises with its output."""
     with tempfile.TemporaryDirectory() as folder:
-        plans = {}
-        for i, (script, args, cwd, *stdin) in enumerate(runs):
-            Path(folder, f"{i}.stdin").write_text(stdin[0] if stdin else "")
-            plans.setdefault(script, []).append(
-                {"script": script, "args": [str(a) for a in args], "cwd": str(cwd),
-                 **{stream: f"{folder}/{i}.{stream}" for stream in ("stdin", "stdout", "stderr", "status")}})
-        ended = {}
-        for script, plan in plans.items():
-            Path(folder, f"{script}.json").write_text(json.dumps(plan))
-            ended[script] = subprocess.run([sys.executable, __file__, f"{folder}/{script}.json"], capture_output=True,
-                                           text=True, timeout=RUN_LIMIT * (len(plan) + 1))
-        done = []
-        for i, (script, *_) in enumerate(runs):
-            if not Path(folder, f"{i}.status").is_file():
-                forks = ended[script]
-                raise AssertionError(f"the process forking {script} ended ({forks.returncode}) before its run "
-                                     f"{i}:\n{forks.stdout[-3000:]}\n{forks.stderr[-6000:]}")
-            proc = subprocess.CompletedProcess([script, *map(str, runs[i][1])],
-                                               int(Path(folder, f"{i}.status").read_text()),
-                                               Path(folder, f"{i}.stdout").read_text(),
-                                               Path(folder, f"{i}.stderr").read_text())
-            if check and proc.returncode != 0:
-                raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-            done.append(proc)
-        return done
+        step = {"script": script, "args": [str(a) for a in args], "cwd": str(cwd),
+                **{stream: f"{folder}/{stream}" for stream in ("stdin", "stdout", "stderr")}}
+        Path(step["stdin"]).write_text(stdin)
+        status = _server(script).run(step)
+        proc = subprocess.CompletedProcess([script, *step["args"]], status, Path(step["stdout"]).read_text(),
+                                           Path(step["stderr"]).read_text())
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def run_each_forked(runs, check=True):
+    """``runs``: ``(script, arguments, working folder)`` or ``(script, arguments, working folder, standard
+    input)``, each forked as :func:`run_forked` forks it. Returns a ``CompletedProcess`` for each run, in
+    order; with ``check``, the first that failed raises with its output."""
+    return [run_forked(script, args, cwd, *stdin, check=check) for script, args, cwd, *stdin in runs]
+
+
+#: this process's forking processes, by script and the environment they were started in
+_servers = {}
+
+
+def _environment():
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"))
+
+
+def _server(script):
+    key = (script, _environment())
+    if key not in _servers or _servers[key].process.poll() is not None:  # a server that ended is replaced
+        _servers[key] = _Server(script)
+    return _servers[key]
+
+
+class _Server:
+    """A process that imported ``script``'s entry point, as the script's first line does, and forks a run
+    of it for each request: a step as JSON on one line of a pipe, its exit status on one line of another."""
+
+    def __init__(self, script):
+        self.script = script
+        self.log = tempfile.TemporaryFile("w+")  # its own output: a crash's traceback
+        requests, self.requests = os.pipe()
+        self.replies, replies = os.pipe()
+        self.process = subprocess.Popen([sys.executable, __file__, script, str(requests), str(replies)],
+                                        stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+                                        pass_fds=(requests, replies))
+        os.close(requests)
+        os.close(replies)
+
+    def run(self, step):
+        _write_line(self.requests, json.dumps(step))
+        reply = _read_line(self.replies)
+        if reply is None:
+            self.log.seek(0)
+            raise AssertionError(f"the process forking {self.script} ended ({self.process.wait()}) before its run:\n"
+                                 f"{self.log.read()[-6000:]}")
+        return int(reply)
+
+
+def _write_line(fd, text):
+    data = (text + "\n").encode()
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read_line(fd):
+    """The next line from ``fd`` (its writer sends one and waits for the answer), or None at its end."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return None
+        data += chunk
+    return data[:-1].decode()
 
 
 def comparable(proc, folder):
@@ -120,23 +169,27 @@ def _wait(pid):
         time.sleep(0.02)
 
 
-def main(plan):
+def serve(script, requests, replies):
+    """Import ``script``'s entry point, then fork a run for each step read from ``requests`` and write its
+    exit status to ``replies``, until ``requests`` ends."""
     sys.path[0] = os.path.dirname(sys.executable)  # a console script's first entry: its own folder
-    (script,) = {step["script"] for step in plan}
     entry_point, imported = _import(script)
-    for step in plan:
+    while (line := _read_line(requests)) is not None:
+        step = json.loads(line)
         assert threading.active_count() == 1, f"{script}'s import started threads: forking would copy none of them"
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
+            os.close(requests)  # the run has none of this process's pipes
+            os.close(replies)
             _as_the_script(step, entry_point, imported)
         status = _wait(pid)
         if status == -signal.SIGKILL:
             with open(step["stderr"], "a") as err:
                 err.write(f"\n[killed after {RUN_LIMIT} s]\n")
-        Path(step["status"]).write_text(str(status))
+        _write_line(replies, str(status))
 
 
 if __name__ == "__main__":
-    main(json.loads(Path(sys.argv[1]).read_text()))
+    serve(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))

@@ -15,7 +15,8 @@ from PIL import Image
 from torch import nn
 
 import reference
-from conftest import BIN, REPO, TRAIN_LENGTH, run, train
+from conftest import BIN, REPO, TRAIN_LENGTH, train
+from console_scripts import run_forked
 from helpers import tiny_model
 from kerple_fairseq.analysis.kernel_curves import effective_lengths
 from kerple_fairseq.analysis.receptive_field import receptive_field
@@ -40,7 +41,8 @@ def windowed(data_bin, tmp_path_factory):
 
 
 def analyze(*args, check=True):
-    return run([ANALYZE, *args], check=check)
+    """The installed command, forked (:mod:`console_scripts`)."""
+    return run_forked(ANALYZE.name, args, REPO, check=check)
 
 
 def read_csv(path):

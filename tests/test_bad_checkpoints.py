@@ -14,7 +14,7 @@ from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation.loading import load_checkpoint_state, load_language_model
 
 from conftest import BIN, REPO, run
-from console_scripts import comparable, run_in_one_process
+from console_scripts import comparable, run_each_forked
 
 
 def real_checkpoint(trained):
@@ -132,7 +132,7 @@ def command_runs(trained, data_bin, tmp_path_factory):
         KINDS[kind](trained, path)
         prepared[kind] = (path, contents(path), folder)
         runs += [(prog, args, REPO) for prog, args in commands(data_bin, path, folder).items()]
-    done = iter(run_in_one_process(runs, check=False))
+    done = iter(run_each_forked(runs, check=False))
     return {kind: (*prepared[kind], {prog: next(done) for prog in ("kerple-eval-lm", "kerple-analyze")})
             for kind in KINDS}
 

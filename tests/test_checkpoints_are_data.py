@@ -15,6 +15,7 @@ import torch
 from fairseq import options
 
 from conftest import BIN, REPO, TRAIN_FLAGS, run, stock_eval_lm
+from console_scripts import run_forked
 from kerple_fairseq.analysis import cli as analysis_cli
 from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation import cli as evaluation_cli
@@ -213,7 +214,7 @@ def test_an_args_namespace_checkpoint_scores_as_its_original(trained, data_bin, 
     """The plugin's command, and stock fairseq-eval-lm with the plugin loaded."""
 
     def evaluations(path):
-        kerple = run([BIN / "kerple-eval-lm", data_bin, "--path", path, "--cpu", "--no-progress-bar"])
+        kerple = run_forked("kerple-eval-lm", [data_bin, "--path", path, "--cpu", "--no-progress-bar"], REPO)
         return kerple.stdout.splitlines()[-1], stock_eval_lm(data_bin, path, 64, "--user-dir", REPO / "kerple_fairseq")
 
     assert evaluations(legacy) == evaluations(trained["alibi"][0] / "checkpoint_last.pt")

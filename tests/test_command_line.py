@@ -9,6 +9,7 @@ from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_fairseq.experiments.recipe import cpu_training_flags
 
 from conftest import REPO, fairseq_cli, run
+from console_scripts import run_forked
 
 pytestmark = pytest.mark.slow  # fairseq-train and Python processes
 
@@ -21,6 +22,11 @@ def train_command(data_bin, save_dir, *flags, user_dir="kerple_fairseq"):
     return [fairseq_cli("fairseq-train"), data_bin, "--user-dir", user_dir, *TINY, "--save-dir", save_dir, *flags]
 
 
+def train_forked(data_bin, save_dir, *flags, check=False):
+    """fairseq-train forked (:mod:`console_scripts`), as the stock commands' bad inputs are."""
+    return run_forked("fairseq-train", train_command(data_bin, save_dir, *flags)[1:], REPO, check=check)
+
+
 def assert_one_line_error(proc, expected, save_dir):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr, proc.stderr[-2000:]
@@ -31,20 +37,17 @@ def assert_one_line_error(proc, expected, save_dir):
 
 
 def test_unknown_kernel(data_bin, tmp_path):
-    proc = run(train_command(data_bin, tmp_path, "--arch", "transformer_lm_kerple", "--bias-kernel", "kerple_logg"),
-               check=False)
+    proc = train_forked(data_bin, tmp_path, "--arch", "transformer_lm_kerple", "--bias-kernel", "kerple_logg")
     assert_one_line_error(proc, "argument --bias-kernel: invalid choice: 'kerple_logg'", tmp_path)
 
 
 def test_kernel_option_out_of_range(data_bin, tmp_path):
-    proc = run(train_command(data_bin, tmp_path, "--arch", "transformer_lm_kerple", "--kernel-param-floor", "0"),
-               check=False)
+    proc = train_forked(data_bin, tmp_path, "--arch", "transformer_lm_kerple", "--kernel-param-floor", "0")
     assert_one_line_error(proc, "kerple_fairseq: error: --kernel-param-floor must be in (0, 1), got 0.0", tmp_path)
 
 
 def test_bias_kernel_with_token_positions_left_on(data_bin, tmp_path):
-    proc = run(train_command(data_bin, tmp_path, "--arch", "transformer_lm_alibi", "--token-positional-embeddings"),
-               check=False)
+    proc = train_forked(data_bin, tmp_path, "--arch", "transformer_lm_alibi", "--token-positional-embeddings")
     assert_one_line_error(proc, "kerple_fairseq: error: --bias-kernel alibi already encodes position", tmp_path)
 
 
@@ -56,8 +59,8 @@ def test_the_fused_backend_asked_for_where_it_cannot_run(data_bin, tmp_path):
 
 
 def test_none_kernel_with_token_positions_is_the_absolute_position_baseline(data_bin, tmp_path):
-    run(train_command(data_bin, tmp_path, "--arch", "transformer_lm_kerple", "--bias-kernel", "none",
-                      "--token-positional-embeddings"))
+    train_forked(data_bin, tmp_path, "--arch", "transformer_lm_kerple", "--bias-kernel", "none",
+                 "--token-positional-embeddings", check=True)
     import torch
 
     state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)

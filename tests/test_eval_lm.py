@@ -10,6 +10,7 @@ import torch
 from fairseq import checkpoint_utils
 
 from conftest import BIN, REPO, run, stock_eval_lm
+from console_scripts import run_forked
 from helpers import random_tokens, tiny_model
 from kerple_fairseq.evaluation.cli import TABLE_HEADER, format_row
 from kerple_fairseq.evaluation.scorer import WindowScorer
@@ -21,14 +22,13 @@ pytestmark = pytest.mark.slow
 EVAL_LM = BIN / "kerple-eval-lm"
 
 
-def kerple_eval_lm(data_bin, checkpoint, *flags, check=True, cwd=REPO, tmp=None):
-    """Run the installed command; returns (process, records from --results-json)."""
+def kerple_eval_lm(data_bin, checkpoint, *flags, check=True, cwd=REPO, tmp=None, alone=False):
+    """Run the installed command, forked (:mod:`console_scripts`), or ``alone`` as a user types it; returns
+    (process, records from --results-json)."""
     results = os.path.join(tmp, "results.json") if tmp else None
-    cmd = [EVAL_LM, data_bin, "--path", checkpoint, "--gen-subset", "valid", "--cpu", "--no-progress-bar",
-           "--max-tokens", "4096", *flags]
-    if results:
-        cmd += ["--results-json", results]
-    proc = run(cmd, check=check, cwd=cwd)
+    args = [data_bin, "--path", checkpoint, "--gen-subset", "valid", "--cpu", "--no-progress-bar", "--max-tokens",
+            "4096", *flags, *(["--results-json", results] if results else [])]
+    proc = run([EVAL_LM, *args], check=check, cwd=cwd) if alone else run_forked(EVAL_LM.name, args, cwd, check=check)
     records = json.load(open(results)) if results and proc.returncode == 0 else None
     return proc, records
 
@@ -212,9 +212,11 @@ def test_more_targets_than_the_split_supplies(trained, data_bin):
 
 
 def test_user_dir_naming_the_plugin_is_accepted(trained, data_bin, tmp_path):
-    _, records = kerple_eval_lm(data_bin, ckpt(trained, "alibi"), "--user-dir", "kerple_fairseq",
-                                "--lengths", "64", tmp=tmp_path)
-    assert records[0]["num_tokens"] > 0
+    """Started alone, as a user types it, and forked as the other tests run it: the same records."""
+    flags = ("--user-dir", "kerple_fairseq", "--lengths", "64")
+    _, alone = kerple_eval_lm(data_bin, ckpt(trained, "alibi"), *flags, tmp=tmp_path, alone=True)
+    _, forked = kerple_eval_lm(data_bin, ckpt(trained, "alibi"), *flags, tmp=tmp_path)
+    assert alone[0]["num_tokens"] > 0 and alone == forked
 
 
 def test_position_wise_needs_the_early_token_cursed_protocol(trained, data_bin, tmp_path):

@@ -16,7 +16,7 @@ from fairseq.models.transformer_lm import TransformerLanguageModel
 
 from conftest import (REPO, TRAIN_LENGTH, eval_lm_result, fairseq_cli, run, stock_eval_lm_args,
                       train_in_process)
-from console_scripts import run_in_one_process
+from console_scripts import run_each_forked
 from helpers import every_encoding
 from kerple_core.attention.methods import attention_method_option_fields
 from kerple_core.kernels import option_fields
@@ -178,7 +178,7 @@ def tool_runs(sentence_trained, data_bin, prompts_bin, tmp_path_factory):
                  ("fairseq-generate", [prompts_bin, "--path", checkpoint, *GENERATE, *sampling_flags()], REPO),
                  ("fairseq-interactive", [data_bin, "--path", checkpoint, "--input", prompts, "--buffer-size", "3",
                                           "--batch-size", "3", *sampling_flags()], REPO)]
-    done = run_in_one_process(runs, check=False)
+    done = run_each_forked(runs, check=False)
     return {name: done[3 * i: 3 * i + 3] for i, name in enumerate(TOOL_ENCODINGS)}
 
 
@@ -289,7 +289,7 @@ def hydra_and_flags(data_bin, tmp_path_factory):
                    *model_size_flags(layers=2, width=32, heads=4, dropout=0.1), *FLAGS_RUN,
                    "--save-dir", folder / "flags"], REPO)]
         folders[name] = (folder / "hydra", folder / "flags")
-    run_in_one_process(runs)
+    run_each_forked(runs)
     return folders
 
 

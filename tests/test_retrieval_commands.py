@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import BIN, REPO, run
-from console_scripts import comparable, run_in_one_process
+from console_scripts import comparable, run_each_forked
 from kerple_fairseq.evaluation.loading import load_language_model
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS
 from kerple_fairseq.tasks.retrieval_sequences import TASKS
@@ -101,7 +101,7 @@ def kerple_eval_args(checkpoint, *flags):
 def eval_error_runs(checkpoint):
     """kerple-eval-lm with each of :data:`EVAL_ERRORS`' flags, forked from one process
     (tests/console_scripts.py)."""
-    return run_in_one_process([("kerple-eval-lm", kerple_eval_args(checkpoint, *flags), REPO)
+    return run_each_forked([("kerple-eval-lm", kerple_eval_args(checkpoint, *flags), REPO)
                                for flags, _ in EVAL_ERRORS], check=False)
 
 
@@ -136,7 +136,7 @@ def train_error_runs(tmp_path_factory):
     """fairseq-train with each of :data:`TRAIN_ERRORS`' flags, forked from one process: (run, save dir)."""
     save_dirs = [tmp_path_factory.mktemp("refused") / "save" for _ in TRAIN_ERRORS]
     runs = [("fairseq-train", refused_training(flags, save_dir), REPO) for (flags, _), save_dir in zip(TRAIN_ERRORS, save_dirs)]
-    return list(zip(run_in_one_process(runs, check=False), save_dirs))
+    return list(zip(run_each_forked(runs, check=False), save_dirs))
 
 
 def refused_training(flags, save_dir):

@@ -13,7 +13,8 @@ from kerple_core.attention.rotary import RotaryEmbedding
 from kerple_core.attention.self_attention import recorded
 from kerple_fairseq.errors import KernelConfigError
 
-from conftest import fairseq_cli, run, train_in_process
+from conftest import REPO, train_in_process
+from console_scripts import run_forked
 from helpers import tiny_model
 from test_decoding_paths_of_newer_methods import beam_search_matches_full_scoring
 from test_layer_biases import log_probs, tokens_of
@@ -230,10 +231,10 @@ def test_stock_fairseq_eval_lm_through_model_overrides(data_bin, rotary_checkpoi
     """The training length comes from the checkpoint: stock fairseq-eval-lm with the scaling as a model
     override scores what kerple-eval-lm scores."""
     ours = eval_lm(data_bin, rotary_checkpoint, tmp_path, "--lengths", "256", "--rotary-scaling", "yarn")[256]
-    proc = run([fairseq_cli("fairseq-eval-lm"), data_bin, "--user-dir", "kerple_fairseq", "--path", rotary_checkpoint,
-                "--gen-subset", "valid", "--tokens-per-sample", "256", "--context-window", "0", "--max-tokens", "4096",
-                "--cpu", "--num-workers", "0",
-                "--model-overrides", "{'rotary_scaling': 'yarn', 'rotary_scaling_length': 256}"])
+    proc = run_forked("fairseq-eval-lm", [data_bin, "--user-dir", "kerple_fairseq", "--path", rotary_checkpoint,
+                                          "--gen-subset", "valid", "--tokens-per-sample", "256", "--context-window",
+                                          "0", "--max-tokens", "4096", "--cpu", "--num-workers", "0", "--model-overrides",
+                                          "{'rotary_scaling': 'yarn', 'rotary_scaling_length': 256}"], REPO)
     out = proc.stdout + proc.stderr
     stock = float(out.rsplit("Perplexity: ", 1)[1].split()[0])
     assert stock == pytest.approx(ours, rel=1e-3)

@@ -15,7 +15,8 @@ from kerple_fairseq.evaluation import per_token, span_losses
 from kerple_fairseq.evaluation import spans as S
 from kerple_fairseq.evaluation.per_token import TokenScores
 
-from conftest import BIN, run
+from conftest import REPO
+from console_scripts import run_forked
 
 
 def synthetic(rng, num_units, tokens_per_unit, mean_loss, shift, unit_sd=0.4, token_sd=1.0):
@@ -146,8 +147,8 @@ def test_compare_command_reads_per_token_files_and_refuses_other_splits(tmp_path
     fb = write(tmp_path / "b.scores", "valid", "f1", b)
     loaded = per_token.load(str(fa))
     assert loaded.split == "valid" and np.array_equal(loaded.scored[("early-token-cursed", 8)].log_prob, a.log_prob)
-    analyze = [BIN / "kerple-analyze", "compare"]
-    proc = run([*analyze, "--path", fa, fb, "--labels", "A", "B", "--out", tmp_path / "out", "--samples", "300"])
+    proc = run_forked("kerple-analyze", ["compare", "--path", fa, fb, "--labels", "A", "B", "--out", tmp_path / "out",
+                                         "--samples", "300"], REPO)
     assert "early-token-cursed L=8: 320 tokens in 40 units" in proc.stdout
     result = json.loads((tmp_path / "out" / "compare.json").read_text())
     [comparison] = result["comparisons"]
@@ -156,7 +157,8 @@ def test_compare_command_reads_per_token_files_and_refuses_other_splits(tmp_path
     other = write(tmp_path / "c.scores", "test", "f2", b)
     for bad, message in (([fa, other], "C scored split 'test'"), ([fa, tmp_path / "none.npz"], "no such file"),
                          ([fa, tmp_path / "out" / "compare.json"], "is not a kerple-eval-lm --per-token file")):
-        proc = run([*analyze, "--path", *bad, "--labels", "A", "C", "--out", tmp_path / "out"], check=False)
+        proc = run_forked("kerple-analyze", ["compare", "--path", *bad, "--labels", "A", "C", "--out", tmp_path / "out"],
+                          REPO, check=False)
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode != 0 and last.startswith("kerple-analyze: error:") and message in last
         assert "Traceback" not in proc.stderr
@@ -199,20 +201,21 @@ def test_compare_command_groups_runs_of_a_model_by_label(tmp_path):
         a, b = synthetic(rng, 30, 8, 2.0, 0.05 * k)
         files[("A", k)] = write(tmp_path / f"a{k}.npz", "valid", "f1", a)
         files[("B", k)] = write(tmp_path / f"b{k}.npz", "valid", "f1", b)
-    analyze = [BIN / "kerple-analyze", "compare", "--samples", "200"]
-    run([*analyze, "--path", files["A", 1], files["A", 2], files["B", 1], files["B", 2],
-         "--labels", "A", "A", "B", "B", "--out", tmp_path / "both"])
+    analyze = ["compare", "--samples", "200"]
+    run_forked("kerple-analyze", [*analyze, "--path", files["A", 1], files["A", 2], files["B", 1], files["B", 2],
+                                  "--labels", "A", "A", "B", "B", "--out", tmp_path / "both"], REPO)
     both = json.loads((tmp_path / "both" / "compare.json").read_text())
     for k in (1, 2):
-        run([*analyze, "--path", files["A", k], files["B", k], "--labels", "A", "B", "--out", tmp_path / f"run{k}"])
+        run_forked("kerple-analyze", [*analyze, "--path", files["A", k], files["B", k], "--labels", "A", "B", "--out",
+                                      tmp_path / f"run{k}"], REPO)
         [alone] = json.loads((tmp_path / f"run{k}" / "compare.json").read_text())["comparisons"]
         alone["replicate"] = k
         assert both["comparisons"][k - 1] == alone
     [spread] = both["across_seeds"]
     differences = [both["comparisons"][k]["difference"][0] for k in (0, 1)]
     assert spread["runs"] == 2 and spread["difference_mean"] == pytest.approx([statistics.mean(differences)])
-    proc = run([*analyze, "--path", files["A", 1], files["A", 2], files["B", 1], "--labels", "A", "A", "B",
-                "--out", tmp_path / "uneven"], check=False)
+    proc = run_forked("kerple-analyze", [*analyze, "--path", files["A", 1], files["A", 2], files["B", 1], "--labels",
+                                         "A", "A", "B", "--out", tmp_path / "uneven"], REPO, check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == ("kerple-analyze: error: a label repeated names the runs (seeds) "
                                                     "of one model, and every model needs as many: A has 2, B has 1")

@@ -26,10 +26,11 @@ LENGTHS = (16, 32)
 SCRIPT = REPO / "scripts" / "small_comparison.py"
 
 
-def tiny_comparison(wikitext, out, *options, train_length=16, eval_lengths=LENGTHS):
-    """The comparison at a tiny size; without ``eval_lengths``, at its default lengths (1x to 32x)."""
+def tiny_comparison(wikitext, out, *options, train_length=16, eval_lengths=LENGTHS, seeds=(3, 4)):
+    """The comparison at a tiny size, of NoPE and ALiBi for each of ``seeds``; without ``eval_lengths``, at its
+    default lengths (1x to 32x)."""
     return [sys.executable, SCRIPT, "--wikitext-dir", wikitext, "--data-bin", out / "data-bin", "--out", out / "runs",
-            "--vocab-size", "300", "--models", "nope", "alibi", "--seeds", "3", "4", "--train-length", str(train_length),
+            "--vocab-size", "300", "--models", "nope", "alibi", "--seeds", *map(str, seeds), "--train-length", str(train_length),
             *(["--eval-lengths", *map(str, eval_lengths)] if eval_lengths else []), "--num-targets", "8",
             "--num-segments", "2", "--updates", "3", "--max-tokens", "256", "--layers", "1", "--width", "16",
             "--heads", "2", *options]
@@ -110,10 +111,6 @@ def test_the_leaderboard_is_the_evaluations_over_seeds(comparison):
     assert "4 of 4 models trained and evaluated\n" in proc.stdout
 
 
-#: two of the comparison's four runs, a seed of each model (the options given last stand)
-SECOND_SEED = ("--models", "nope", "alibi", "--seeds", "4")
-
-
 def modified(runs):
     return {p.relative_to(runs): p.stat().st_mtime_ns for p in runs.glob("*-seed*/*") if p.suffix in (".pt", ".npz")}
 
@@ -147,12 +144,12 @@ def test_a_killed_comparison_goes_on_where_it_stopped(comparison, wikitext_head,
     again = run(cmd)  # nothing left to do
     assert "training" not in again.stdout and "evaluating" not in again.stdout and modified(runs) == finished
     # a changed option redoes what it changes, run by run: here for the second seed of each model
-    fewer_targets = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--num-targets", "6", *SECOND_SEED))
+    fewer_targets = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--num-targets", "6", seeds=[4]))
     assert "training" not in fewer_targets.stdout and fewer_targets.stdout.count("evaluating ") == 2
     for kept in (runs / "nope-seed4" / "span-losses.npz", runs / "alibi-seed4" / "span-losses.npz"):  # written again
         assert {n: s.count.size for (p, n), s in span_losses.load(str(kept)).items() if p == "last-token"} == {
             n: 6 for n in LENGTHS}
-    more_updates = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--updates", "4", *SECOND_SEED))
+    more_updates = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--updates", "4", seeds=[4]))
     assert more_updates.stdout.count("training ") == 2
     record = json.loads((runs / "alibi-seed4" / "trained.json").read_text())
     assert record["key"]["fairseq-train"][-1] == "4"
@@ -264,7 +261,7 @@ def test_runs_carried_without_checkpoints_are_ranked_again_without_training(comp
     assert needs_checkpoints.returncode == 2 and len(needs_checkpoints.stderr.strip().splitlines()) == 1
     assert re.fullmatch(r"small_comparison: error: kerple-analyze kernels reads \S+checkpoint_last.pt \(and 1 more\), "
                         r"absent: a run kept without its checkpoint .*", needs_checkpoints.stderr.strip())
-    fewer_targets = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--num-targets", "6", *SECOND_SEED))
+    fewer_targets = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--num-targets", "6", seeds=[4]))
     assert fewer_targets.stdout.count("training ") == 2 and fewer_targets.stdout.count("evaluating ") == 2
 
 

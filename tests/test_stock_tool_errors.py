@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import BIN, REPO, TRAIN_FLAGS, run
-from console_scripts import comparable, run_in_one_process
+from console_scripts import comparable, run_each_forked
 
 pytestmark = pytest.mark.slow  # a process per command, forked from one that imported fairseq
 
@@ -140,7 +140,7 @@ def case_runs(data_bin, tmp_path_factory):
         prepared[case] = (folder, checkpoint, checkpoint.read_bytes() if bad_file else None)
         program, *args = command(folder, data_bin, save_dir, checkpoint)
         runs.append((Path(program).name, args, folder, "hello\n"))
-    done = run_in_one_process(runs, check=False)
+    done = run_each_forked(runs, check=False)
     return {case: (proc, *prepared[case]) for case, proc in zip(CASES, done)}
 
 
