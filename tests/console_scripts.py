@@ -1,19 +1,22 @@
 """Installed console scripts (fairseq-eval-lm, fairseq-generate, fairseq-hydra-train, kerple-eval-lm, ...)
-run many times without starting Python, torch and fairseq each time (about 5 s a process on 2 cores).
-For each script, each pytest worker keeps one process that does what the script's first line does,
-importing its entry point's module (its output kept), then forks a process for each run, for every test
-that asks. That process starts its output with what the
-import printed, as the script's own process would, takes the run's working folder, standard input and
-``sys.argv``, calls ``sys.exit(entry_point())`` and ends as the interpreter ends a script (an uncaught
-exception through ``sys.excepthook``, then the exit handlers). Nothing one run does (the plugin imported
-by ``--user-dir``, logging set up, a TensorBoard writer kept open) reaches the next, and no process
-has imported another script's module (fairseq's scripts and the plugin's set logging up differently).
+run many times without starting Python, torch and fairseq each time (5-7 s of CPU a process on 2 cores).
+A pytest worker starts, for a script, a process that does what the script's first line does, importing its
+entry point's module (its output kept), and forks a process for each run any test asks of that script
+(another where the environment has changed; at most :data:`LIVE_SERVERS` at a time). A forked run starts
+its output with what the import printed, as the script's own process would, takes the run's working folder,
+standard input and ``sys.argv``, calls ``sys.exit(entry_point())`` and ends as the interpreter ends a
+script (an uncaught exception through ``sys.excepthook``, then the exit handlers). Nothing one run does
+(the plugin imported by ``--user-dir``, logging set up, a TensorBoard writer kept open) reaches the next,
+and no process has imported another script's module (fairseq's scripts and the plugin's set logging up
+differently). Runs do share what the import set (the hash seed, an unseeded generator's state): where two
+runs must agree independently, start one alone.
 
 ``run_forked(script, args, cwd)`` gives back the run's ``subprocess.CompletedProcess``, as
 :func:`conftest.run` does, and ``run_each_forked(runs)`` one for each of several runs."""
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -49,44 +52,71 @@ def run_each_forked(runs, check=True):
     return [run_forked(script, args, cwd, *stdin, check=check) for script, args, cwd, *stdin in runs]
 
 
-#: this process's forking processes, by script and the environment they were started in
+#: the most forking processes one pytest worker keeps at a time (each holds about 250 MB of its own)
+LIVE_SERVERS = 3
+
+#: this process's forking processes by script, the one used last at the end
 _servers = {}
 
 
-def _environment():
-    return tuple(sorted((k, v) for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"))
-
-
 def _server(script):
-    key = (script, _environment())
-    if key not in _servers or _servers[key].process.poll() is not None:  # a server that ended is replaced
-        _servers[key] = _Server(script)
-    return _servers[key]
+    """``script``'s forking process, started where there is none, or where it ended or was started in another
+    environment than this process's now (its ``PYTEST_CURRENT_TEST`` aside, which it is started without)."""
+    environment = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    server = _servers.pop(script, None)
+    if server is not None and (server.environment != environment or server.process.poll() is not None):
+        server.close()
+        server = None
+    if server is None:
+        while len(_servers) >= LIVE_SERVERS:
+            _servers.pop(next(iter(_servers))).close()
+        server = _Server(script, environment)
+    _servers[script] = server
+    return server
 
 
 class _Server:
     """A process that imported ``script``'s entry point, as the script's first line does, and forks a run
     of it for each request: a step as JSON on one line of a pipe, its exit status on one line of another."""
 
-    def __init__(self, script):
-        self.script = script
+    def __init__(self, script, environment):
+        self.script, self.environment = script, environment
         self.log = tempfile.TemporaryFile("w+")  # its own output: a crash's traceback
         requests, self.requests = os.pipe()
         self.replies, replies = os.pipe()
         self.process = subprocess.Popen([sys.executable, __file__, script, str(requests), str(replies)],
                                         stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-                                        pass_fds=(requests, replies))
+                                        pass_fds=(requests, replies), env=environment, start_new_session=True)
         os.close(requests)
         os.close(replies)
 
     def run(self, step):
-        _write_line(self.requests, json.dumps(step))
-        reply = _read_line(self.replies)
+        """The run's exit status. Where this process stops waiting for it (an exception, an interrupt, no
+        answer by :data:`RUN_LIMIT` and a minute), the forking process and its run are killed, so that no
+        run left behind answers for the next."""
+        try:
+            _write_line(self.requests, json.dumps(step))
+            answered, _, _ = select.select([self.replies], [], [], RUN_LIMIT + 60)
+            reply = _read_line(self.replies) if answered else None
+        except BaseException:
+            self.close()
+            raise
         if reply is None:
+            self.close()
             self.log.seek(0)
-            raise AssertionError(f"the process forking {self.script} ended ({self.process.wait()}) before its run:\n"
-                                 f"{self.log.read()[-6000:]}")
+            raise AssertionError(f"the process forking {self.script} ended ({self.process.returncode}) or did not "
+                                 f"answer before its run ended:\n{self.log.read()[-6000:]}")
         return int(reply)
+
+    def close(self):
+        """Kill the forking process and a run it has under way (its process group), and close its pipes."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        if self.requests is not None:
+            os.close(self.requests)
+            os.close(self.replies)
+            self.requests = self.replies = None
 
 
 def _write_line(fd, text):

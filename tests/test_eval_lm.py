@@ -214,8 +214,10 @@ def test_more_targets_than_the_split_supplies(trained, data_bin):
 def test_user_dir_naming_the_plugin_is_accepted(trained, data_bin, tmp_path):
     """Started alone, as a user types it, and forked as the other tests run it: the same records."""
     flags = ("--user-dir", "kerple_fairseq", "--lengths", "64")
-    _, alone = kerple_eval_lm(data_bin, ckpt(trained, "alibi"), *flags, tmp=tmp_path, alone=True)
-    _, forked = kerple_eval_lm(data_bin, ckpt(trained, "alibi"), *flags, tmp=tmp_path)
+    for folder in ("alone", "forked"):  # a results file each: neither run can pass on the other's
+        (tmp_path / folder).mkdir()
+    _, alone = kerple_eval_lm(data_bin, ckpt(trained, "alibi"), *flags, tmp=tmp_path / "alone", alone=True)
+    _, forked = kerple_eval_lm(data_bin, ckpt(trained, "alibi"), *flags, tmp=tmp_path / "forked")
     assert alone[0]["num_tokens"] > 0 and alone == forked
 
 

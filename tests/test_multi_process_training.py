@@ -108,11 +108,10 @@ def test_two_machines_equal_one_process_with_update_freq_2(data_bin, tmp_path, o
 @pytest.mark.parametrize("flags", [
     ["--cpu-processes", "2"],
     ["--cpu-processes", "2", "--ddp-backend", "pytorch_ddp"],
-    ["--cpu-processes", "2", "--ddp-backend", "c10d"],
     ["--cpu-processes", "2", "--torchrun"],
     ["--cpu-processes", "1", "--checkpoint-activations"],
     ["--cpu-processes", "1", "--checkpoint-activations", "--offload-activations"],
-], ids=["legacy_ddp", "pytorch_ddp", "c10d", "torchrun-one-machine", "checkpoint-activations", "offload-activations"])
+], ids=["legacy_ddp", "pytorch_ddp", "torchrun-one-machine", "checkpoint-activations", "offload-activations"])
 def test_data_parallel_backends_and_activation_checkpointing_give_the_same_model(data_bin, tmp_path, one_process,
                                                                                   flags):
     train(data_bin, tmp_path, UPDATES, *flags)

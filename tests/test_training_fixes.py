@@ -7,11 +7,13 @@ are in test_multi_process_training.py."""
 
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +91,33 @@ def test_processes_without_gpus_use_gloo():
     assert cfg.distributed_training.distributed_backend == "nccl"
     distributed.gloo_without_gpus(cfg)
     assert cfg.distributed_training.distributed_backend == "gloo"
+
+
+#: the only places fairseq and the plugin name either DDP backend other than in a comparison of both
+NAMED_ALONE = {
+    ("fairseq/dataclass/constants.py", '"c10d",  # alias for pytorch_ddp'),  # the choices
+    ("fairseq/dataclass/constants.py", '"pytorch_ddp",'),
+    ("fairseq/dataclass/configs.py", 'default="pytorch_ddp", metadata={"help": "DistributedDataParallel backend"}'),
+    ("kerple_fairseq/training/distributed.py", '"NCCL" in str(error) or "c10d" in str(error)'),  # an error's text
+}
+
+
+def test_c10d_is_trained_as_pytorch_ddp_is():
+    """``--ddp-backend c10d``, a choice users type, runs what ``pytorch_ddp`` (trained in
+    test_multi_process_training.py) runs: every other place fairseq, its commands, the plugin, its core and
+    its scripts name either backend is a test for both."""
+    import fairseq
+    import fairseq_cli
+    import kerple_core
+    import kerple_fairseq
+
+    folders = [Path(package.__file__).parent for package in (fairseq, fairseq_cli, kerple_fairseq, kerple_core)]
+    named = {(path.relative_to(folder.parent).as_posix(), line.strip())
+             for folder in [*folders, Path(__file__).parents[1] / "scripts"] for path in folder.rglob("*.py")
+             for line in path.read_text().splitlines() if re.search(r"[\"'](c10d|pytorch_ddp)[\"']", line)}
+    compared = {place for place in named - NAMED_ALONE if 'in {"c10d", "pytorch_ddp"}' in place[1]}
+    assert named - NAMED_ALONE == compared and {path for path, _ in compared} == {
+        "fairseq/criterions/adaptive_loss.py", "fairseq/models/distributed_fairseq_model.py"}, named - NAMED_ALONE
 
 
 @pytest.mark.parametrize("flags, message", [
