@@ -47,9 +47,19 @@ def run_forked(script, args, cwd, stdin="", check=True):
 
 def run_each_forked(runs, check=True):
     """``runs``: ``(script, arguments, working folder)`` or ``(script, arguments, working folder, standard
-    input)``, each forked as :func:`run_forked` forks it. Returns a ``CompletedProcess`` for each run, in
-    order; with ``check``, the first that failed raises with its output."""
-    return [run_forked(script, args, cwd, *stdin, check=check) for script, args, cwd, *stdin in runs]
+    input)``, each forked as :func:`run_forked` forks it, one script's runs after another (so that no more than
+    one forking process is started for each). Returns a ``CompletedProcess`` for each run, in order; with
+    ``check``, the first that failed raises with its output."""
+    scripts = list(dict.fromkeys(script for script, *_ in runs))
+    done = {}
+    for i in sorted(range(len(runs)), key=lambda i: scripts.index(runs[i][0])):
+        script, args, cwd, *stdin = runs[i]
+        done[i] = run_forked(script, args, cwd, *stdin, check=False)
+    for proc in (done[i] for i in range(len(runs))):
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{proc.args[0]} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                                 f"{proc.stderr[-6000:]}")
+    return [done[i] for i in range(len(runs))]
 
 
 #: the most forking processes one pytest worker keeps at a time (each holds about 250 MB of its own)
