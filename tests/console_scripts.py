@@ -40,9 +40,15 @@ def run_forked(script, args, cwd, stdin="", check=True):
         status = _server(script).run(step)
         proc = subprocess.CompletedProcess([script, *step["args"]], status, Path(step["stdout"]).read_text(),
                                            Path(step["stderr"]).read_text())
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    if check:
+        _raise_if_failed(proc)
     return proc
+
+
+def _raise_if_failed(proc):
+    if proc.returncode != 0:
+        raise AssertionError(f"{proc.args[0]} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
 
 
 def run_each_forked(runs, check=True):
@@ -51,15 +57,14 @@ def run_each_forked(runs, check=True):
     one forking process is started for each). Returns a ``CompletedProcess`` for each run, in order; with
     ``check``, the first that failed raises with its output."""
     scripts = list(dict.fromkeys(script for script, *_ in runs))
-    done = {}
+    done = [None] * len(runs)
     for i in sorted(range(len(runs)), key=lambda i: scripts.index(runs[i][0])):
         script, args, cwd, *stdin = runs[i]
         done[i] = run_forked(script, args, cwd, *stdin, check=False)
-    for proc in (done[i] for i in range(len(runs))):
-        if check and proc.returncode != 0:
-            raise AssertionError(f"{proc.args[0]} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                                 f"{proc.stderr[-6000:]}")
-    return [done[i] for i in range(len(runs))]
+    if check:
+        for proc in done:
+            _raise_if_failed(proc)
+    return done
 
 
 #: the most forking processes one pytest worker keeps at a time (each holds about 250 MB of its own)
