@@ -50,10 +50,23 @@ def flex_calls(monkeypatch):
     return calls
 
 
+#: compiles since dynamo's caches were last cleared at which :func:`compiled` clears them: half the backend's limit
+CLEAR_AFTER = flex.RECOMPILE_LIMIT // 2
+_compiles_at_clear = [0]
+
+
 @pytest.fixture
 def compiled(monkeypatch):
+    """The compiled kernel, kept from test to test as a process keeps it from model to model (the methods'
+    score modifications over captured tensors share most compiles); dynamo's caches cleared only before
+    its recompile limit comes near, and reaching the limit an error rather than a silent fall back to
+    the eager kernel."""
     monkeypatch.setattr(flex, "COMPILED", True)
-    torch._dynamo.reset()  # a fresh compile per test: dynamo's per-function recompile limit is never reached
+    if flex.compile_report()[0] - _compiles_at_clear[0] >= CLEAR_AFTER:
+        torch._dynamo.reset()
+        _compiles_at_clear[0] = flex.compile_report()[0]
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
 
 
 @pytest.fixture
