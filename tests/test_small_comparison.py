@@ -26,10 +26,11 @@ LENGTHS = (16, 32)
 SCRIPT = REPO / "scripts" / "small_comparison.py"
 
 
-def tiny_comparison(wikitext, out, *options, train_length=16, eval_lengths=LENGTHS, seeds=(3, 4)):
-    """The comparison at a tiny size, of NoPE and ALiBi for each of ``seeds``; without ``eval_lengths``, at its
-    default lengths (1x to 32x)."""
-    return [sys.executable, SCRIPT, "--wikitext-dir", wikitext, "--data-bin", out / "data-bin", "--out", out / "runs",
+def tiny_comparison(wikitext, out, *options, train_length=16, eval_lengths=LENGTHS, seeds=(3, 4), data_bin=None):
+    """The comparison at a tiny size, of NoPE and ALiBi for each of ``seeds``, into ``out``/runs; without
+    ``eval_lengths``, at its default lengths (1x to 32x); preprocessed into ``data_bin`` (default ``out``/data-bin)."""
+    return [sys.executable, SCRIPT, "--wikitext-dir", wikitext, "--data-bin", data_bin or out / "data-bin",
+            "--out", out / "runs",
             "--vocab-size", "300", "--models", "nope", "alibi", "--seeds", *map(str, seeds), "--train-length", str(train_length),
             *(["--eval-lengths", *map(str, eval_lengths)] if eval_lengths else []), "--num-targets", "8",
             "--num-segments", "2", "--updates", "3", "--max-tokens", "256", "--layers", "1", "--width", "16",
@@ -41,6 +42,13 @@ def comparison(wikitext_head, tmp_path_factory):
     out = tmp_path_factory.mktemp("small-comparison")
     proc = run(tiny_comparison(wikitext_head, out))
     return out / "runs", proc
+
+
+@pytest.fixture(scope="module")
+def comparison_data_bin(comparison):
+    """The fixture comparison's data-bin, which the comparisons run here after it read rather than preprocess
+    the same text again (a comparison records the data-bin's fingerprint with each run)."""
+    return comparison[0].parent / "data-bin"
 
 
 @pytest.mark.slow
@@ -116,8 +124,8 @@ def modified(runs):
 
 
 @pytest.mark.slow
-def test_a_killed_comparison_goes_on_where_it_stopped(comparison, wikitext_head, tmp_path):
-    cmd = tiny_comparison(wikitext_head, tmp_path, "--analyses")
+def test_a_killed_comparison_goes_on_where_it_stopped(comparison, comparison_data_bin, wikitext_head, tmp_path):
+    cmd = tiny_comparison(wikitext_head, tmp_path, "--analyses", data_bin=comparison_data_bin)
     first = tmp_path / "runs" / "nope-seed3" / "evaluated.json"
     proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -144,12 +152,14 @@ def test_a_killed_comparison_goes_on_where_it_stopped(comparison, wikitext_head,
     again = run(cmd)  # nothing left to do
     assert "training" not in again.stdout and "evaluating" not in again.stdout and modified(runs) == finished
     # a changed option redoes what it changes, run by run: here for the second seed of each model
-    fewer_targets = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--num-targets", "6", seeds=[4]))
+    fewer_targets = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--num-targets", "6", seeds=[4],
+                                        data_bin=comparison_data_bin))
     assert "training" not in fewer_targets.stdout and fewer_targets.stdout.count("evaluating ") == 2
     for kept in (runs / "nope-seed4" / "span-losses.npz", runs / "alibi-seed4" / "span-losses.npz"):  # written again
         assert {n: s.count.size for (p, n), s in span_losses.load(str(kept)).items() if p == "last-token"} == {
             n: 6 for n in LENGTHS}
-    more_updates = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--updates", "4", seeds=[4]))
+    more_updates = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--updates", "4", seeds=[4],
+                                       data_bin=comparison_data_bin))
     assert more_updates.stdout.count("training ") == 2
     record = json.loads((runs / "alibi-seed4" / "trained.json").read_text())
     assert record["key"]["fairseq-train"][-1] == "4"
@@ -166,7 +176,7 @@ def trainings(proc):
 
 @pytest.mark.slow
 def test_a_second_training_length_under_a_budget_resumes_adds_seeds_and_is_seen_with_the_first(
-        comparison, wikitext_head, tmp_path):
+        comparison, comparison_data_bin, wikitext_head, tmp_path):
     """The comparison at another --train-length, its lengths by default 1x to 32x, with --other-length the
     first one and a budget too small for every seed: killed after its first run, it goes on where it stopped
     with every seed of the model kept (ALiBi) and the first of the other; the same command without the budget
@@ -174,7 +184,7 @@ def test_a_second_training_length_under_a_budget_resumes_adds_seeds_and_is_seen_
     first, _ = comparison
     budget = ("--other-length", first, "--budget-hours", "1e-6", "--every-seed-for", "alibi", "--every-seed-top", "0",
               "--analyses", "extrapolation")
-    cmd = tiny_comparison(wikitext_head, tmp_path, *budget, train_length=8, eval_lengths=None)
+    cmd = tiny_comparison(wikitext_head, tmp_path, *budget, train_length=8, eval_lengths=None, data_bin=comparison_data_bin)
     runs = tmp_path / "runs"
     proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -218,7 +228,7 @@ def test_a_second_training_length_under_a_budget_resumes_adds_seeds_and_is_seen_
     assert "# Two training lengths: 2 position encodings" in (runs / "both-lengths.md").read_text()
 
     more = run(tiny_comparison(wikitext_head, tmp_path, "--other-length", first, "--analyses", "extrapolation",
-                               train_length=8, eval_lengths=None))
+                               train_length=8, eval_lengths=None, data_bin=comparison_data_bin))
     assert trainings(more) == ["training nope (--arch transformer_lm_kerple --bias-kernel none), seed 4, 3 updates"]
     assert "3 of 4 models trained and evaluated\n" in more.stdout  # alibi-seed4, finished, is no time left
     assert "over --budget-hours" not in more.stdout
@@ -266,10 +276,10 @@ def test_runs_carried_without_checkpoints_are_ranked_again_without_training(comp
 
 
 @pytest.mark.slow
-def test_models_trained_alike_share_one_checkpoint_across_invocations(wikitext_head, tmp_path):
+def test_models_trained_alike_share_one_checkpoint_across_invocations(comparison_data_bin, wikitext_head, tmp_path):
     """rotary_rerope is rotary evaluated with ReRoPE: rotary, asked for later, is its checkpoint's copy."""
     def comparison(*models):
-        return run([sys.executable, SCRIPT, "--wikitext-dir", wikitext_head, "--data-bin", tmp_path / "data-bin",
+        return run([sys.executable, SCRIPT, "--wikitext-dir", wikitext_head, "--data-bin", comparison_data_bin,
                     "--out", tmp_path / "runs", "--vocab-size", "300", "--models", *models, "--train-length", "16",
                     "--eval-lengths", "16", "32", "--num-targets", "8", "--updates", "3", "--max-tokens", "256",
                     "--layers", "1", "--width", "16", "--heads", "2", "--analyses"]).stdout
