@@ -1,7 +1,8 @@
-"""Installed console scripts (fairseq-eval-lm, fairseq-generate, fairseq-hydra-train, kerple-eval-lm, ...)
-run many times without starting Python, torch and fairseq each time (5-7 s of CPU a process on 2 cores).
-A pytest worker starts, for a script, a process that does what the script's first line does, importing its
-entry point's module (its output kept), and forks a process for each run any test asks of that script
+"""Installed console scripts (fairseq-eval-lm, fairseq-generate, fairseq-hydra-train, kerple-eval-lm, ...) and
+the repository's script files (``scripts/small_comparison.py``, ...) run many times without starting Python,
+torch and fairseq each time (5-7 s of CPU a process on 2 cores; 3-4 s for a script file's imports). A pytest
+worker starts, for a script, a process that does what the script's first lines do, importing its entry point's
+module or a script file's imports (its output kept), and forks a process for each run any test asks of that script
 (another where the environment has changed; at most :data:`LIVE_SERVERS` at a time). A forked run starts
 its output with what the import printed, as the script's own process would, takes the run's working folder,
 standard input and ``sys.argv``, calls ``sys.exit(entry_point())`` and ends as the interpreter ends a
@@ -16,6 +17,7 @@ runs must agree independently, start one alone.
 
 import json
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -30,9 +32,11 @@ RUN_LIMIT = 600
 
 
 def run_forked(script, args, cwd, stdin="", check=True):
-    """One run of the installed console script ``script``, forked from this worker's process that imported
-    it (started at the first run, and again where the environment has changed since). Returns its
-    ``CompletedProcess``; with ``check``, a failed run raises with its output."""
+    """One run of the installed console script ``script`` (or of a script file, by its path), forked from this
+    worker's process that imported it (started at the first run, and again where the environment has changed
+    since). Returns its ``CompletedProcess``; with ``check``, a failed run raises with its output."""
+    if script.endswith(".py"):
+        script = os.path.abspath(script)  # as a process's __file__ is: runs take other working folders
     with tempfile.TemporaryDirectory() as folder:
         step = {"script": script, "args": [str(a) for a in args], "cwd": str(cwd),
                 **{stream: f"{folder}/{stream}" for stream in ("stdin", "stdout", "stderr")}}
@@ -176,18 +180,33 @@ def _as_the_script(step, entry_point, imported):
     sys.exit(entry_point())
 
 
-def _import(script):
-    """The entry point of the installed console script ``script``, imported, and what the import wrote
-    to file descriptors 1 and 2."""
+def _entry_point(script):
+    """The installed console script ``script``'s entry point, loaded; for the path of a script file
+    (``scripts/*.py``), the file run once under another name than ``__main__`` (its imports done, its main block
+    not run), and as the entry point a function that runs the file as ``__main__`` (as ``python FILE`` does)."""
+    if script.endswith(".py"):
+        path = list(sys.path)
+        runpy.run_path(script, run_name="__imported_to_fork__")
+
+        def run_as_main():
+            sys.path[:] = path  # as the file's process starts, before its first lines add to it
+            runpy.run_path(script, run_name="__main__")
+            return 0
+        return run_as_main
     from importlib.metadata import entry_points
 
     (found,) = entry_points(group="console_scripts", name=script)
+    return found.load()
+
+
+def _import(script):
+    """``script``'s entry point (:func:`_entry_point`), and what its import wrote to file descriptors 1 and 2."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         saved = [os.dup(1), os.dup(2)]
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         try:
-            entry_point = found.load()
+            entry_point = _entry_point(script)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -208,16 +227,33 @@ def _wait(pid):
         if done:
             return os.waitstatus_to_exitcode(status)
         if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
+            for process in _tree(pid):  # with what it started (a script file's trainings, say)
+                try:
+                    os.kill(process, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             os.waitpid(pid, 0)
             return -signal.SIGKILL
         time.sleep(0.02)
 
 
+def _tree(pid):
+    """``pid`` and the processes it started, theirs, and so on (from ``/proc``), parents first."""
+    tree = [pid]
+    for parent in tree:
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                tree += [int(child) for child in children.read_text().split()]
+            except OSError:  # ended meanwhile
+                pass
+    return tree
+
+
 def serve(script, requests, replies):
     """Import ``script``'s entry point, then fork a run for each step read from ``requests`` and write its
     exit status to ``replies``, until ``requests`` ends."""
-    sys.path[0] = os.path.dirname(sys.executable)  # a console script's first entry: its own folder
+    # a script's first entry: its own folder (an installed console script's is the environment's bin)
+    sys.path[0] = os.path.dirname(os.path.abspath(script) if script.endswith(".py") else sys.executable)
     entry_point, imported = _import(script)
     while (line := _read_line(requests)) is not None:
         step = json.loads(line)

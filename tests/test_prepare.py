@@ -15,6 +15,7 @@ from kerple_fairseq.experiments.wikitext103 import (
     OFFICIAL_MD5, OFFICIAL_URL, SAMPLE_TRAIN_BYTES, PrepareError, preprocess, sample)
 
 from conftest import REPO, run
+from console_scripts import run_forked
 
 SCRIPT = REPO / "scripts" / "prepare_wikitext_103.py"
 
@@ -58,8 +59,10 @@ def server(archive):
 
 
 def prepare(tmp_path, *flags, check=True):
-    return run([sys.executable, SCRIPT, "--download-dir", tmp_path / "downloads", "--dest", tmp_path / "data-bin",
-                "--workers", "1", *flags], check=check)
+    """The script, forked (:mod:`console_scripts`): its own imports done once; fairseq-preprocess, which it
+    starts, a process of its own."""
+    return run_forked(str(SCRIPT), ["--download-dir", tmp_path / "downloads", "--dest", tmp_path / "data-bin",
+                                    "--workers", "1", *flags], REPO, check=check)
 
 
 def md5(path):

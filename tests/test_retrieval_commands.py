@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import BIN, REPO, run
-from console_scripts import comparable, run_each_forked
+from console_scripts import comparable, run_each_forked, run_forked
 from kerple_fairseq.evaluation.loading import load_language_model
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS
 from kerple_fairseq.tasks.retrieval_sequences import TASKS
@@ -161,10 +161,15 @@ def test_fairseq_train_alone_refuses_as_among_others(train_error_runs, tmp_path)
 
 # --- the comparison --------------------------------------------------------------------------------------
 
+COMPARISON = str(REPO / "scripts" / "retrieval_comparison.py")
+
+
 def comparison(out, *more):
-    return run([BIN / "python", REPO / "scripts" / "retrieval_comparison.py", "--models", "alibi", "rotary",
-                "rotary_ntk", "--seeds", "1", "2", "--updates", "8", "--train-length", "24", "--eval-lengths", "24",
-                "48", "--examples", "10", "--layers", "1", "--width", "32", "--heads", "2", "--out", out, *more])
+    """The comparison at a tiny size, forked (:mod:`console_scripts`): the script's own imports done once; the
+    trainings and evaluations it starts are processes of their own."""
+    return run_forked(COMPARISON, ["--models", "alibi", "rotary", "rotary_ntk", "--seeds", "1", "2", "--updates", "8",
+                                   "--train-length", "24", "--eval-lengths", "24", "48", "--examples", "10",
+                                   "--layers", "1", "--width", "32", "--heads", "2", "--out", out, *more], REPO)
 
 
 @pytest.mark.slow  # four trainings and six evaluations
@@ -216,8 +221,7 @@ def test_the_committed_board_is_what_its_runs_give(tmp_path):
     for name in runs:
         shutil.copytree(COMMITTED / name, out / name)
     models = [name[:-len("-seed1")] for name in runs]
-    proc = run([BIN / "python", REPO / "scripts" / "retrieval_comparison.py", "--seeds", "1", "--models", *models,
-                "--out", out])
+    proc = run_forked(COMPARISON, ["--seeds", "1", "--models", *models, "--out", out], REPO)
     assert "training " not in proc.stdout and "evaluating " not in proc.stdout
     assert proc.stdout.count("kept without its checkpoint") == len(runs)
     for board in ("retrieval-board.md", "retrieval-board.csv"):

@@ -21,6 +21,7 @@ import torch
 from kerple_fairseq.evaluation import span_losses
 
 from conftest import REPO, run
+from console_scripts import run_forked
 
 LENGTHS = (16, 32)
 SCRIPT = REPO / "scripts" / "small_comparison.py"
@@ -37,10 +38,16 @@ def tiny_comparison(wikitext, out, *options, train_length=16, eval_lengths=LENGT
             "--heads", "2", *options]
 
 
+def run_comparison(cmd, check=True):
+    """The comparison's command line ``cmd`` (``[python, script, arguments]``) forked (:mod:`console_scripts`):
+    the script's own imports done once; the trainings and evaluations it starts are processes of their own."""
+    return run_forked(str(cmd[1]), cmd[2:], REPO, check=check)
+
+
 @pytest.fixture(scope="module")
 def comparison(wikitext_head, tmp_path_factory):
     out = tmp_path_factory.mktemp("small-comparison")
-    proc = run(tiny_comparison(wikitext_head, out))
+    proc = run_comparison(tiny_comparison(wikitext_head, out))
     return out / "runs", proc
 
 
@@ -138,7 +145,7 @@ def test_a_killed_comparison_goes_on_where_it_stopped(comparison, comparison_dat
     runs = tmp_path / "runs"
     before = {k: v for k, v in modified(runs).items() if k.parts[0] == "nope-seed3"}
 
-    resumed = run(cmd)
+    resumed = run_comparison(cmd)
     assert "nope-seed3 is trained so already" in resumed.stdout and "nope-seed3 is evaluated so already" in resumed.stdout
     assert "none), seed 3" not in resumed.stdout and "training alibi (--arch transformer_lm_alibi), seed 3" in resumed.stdout
     assert resumed.stdout.count("training ") == 3
@@ -149,17 +156,19 @@ def test_a_killed_comparison_goes_on_where_it_stopped(comparison, comparison_dat
         uninterrupted / "leaderboard.md").read_text().split("\n## ")[1:]
 
     finished = modified(runs)
-    again = run(cmd)  # nothing left to do
+    (runs / "leaderboard.csv").unlink()
+    again = run(cmd)  # nothing left to do; started as a user types it, its leaderboard that of the forked runs
     assert "training" not in again.stdout and "evaluating" not in again.stdout and modified(runs) == finished
+    assert (runs / "leaderboard.csv").read_text() == (uninterrupted / "leaderboard.csv").read_text()
     # a changed option redoes what it changes, run by run: here for the second seed of each model
-    fewer_targets = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--num-targets", "6", seeds=[4],
-                                        data_bin=comparison_data_bin))
+    fewer_targets = run_comparison(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--num-targets", "6",
+                                                   seeds=[4], data_bin=comparison_data_bin))
     assert "training" not in fewer_targets.stdout and fewer_targets.stdout.count("evaluating ") == 2
     for kept in (runs / "nope-seed4" / "span-losses.npz", runs / "alibi-seed4" / "span-losses.npz"):  # written again
         assert {n: s.count.size for (p, n), s in span_losses.load(str(kept)).items() if p == "last-token"} == {
             n: 6 for n in LENGTHS}
-    more_updates = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--updates", "4", seeds=[4],
-                                       data_bin=comparison_data_bin))
+    more_updates = run_comparison(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--updates", "4", seeds=[4],
+                                                  data_bin=comparison_data_bin))
     assert more_updates.stdout.count("training ") == 2
     record = json.loads((runs / "alibi-seed4" / "trained.json").read_text())
     assert record["key"]["fairseq-train"][-1] == "4"
@@ -195,7 +204,7 @@ def test_a_second_training_length_under_a_budget_resumes_adds_seeds_and_is_seen_
     proc.wait()
     assert (runs / "nope-seed3" / "evaluated.json").exists() and not (runs / "leaderboard.md").exists()
 
-    resumed = run(cmd)
+    resumed = run_comparison(cmd)
     assert "nope-seed3 is trained so already" in resumed.stdout and len(trainings(resumed)) == 2
     assert re.search(r"over --budget-hours 1e-06: every seed of alibi \(.*\), seed 3 of the other 1 models: about "
                      r"[\d.]+ h for the 2 runs left", resumed.stdout)
@@ -227,8 +236,9 @@ def test_a_second_training_length_under_a_budget_resumes_adds_seeds_and_is_seen_
     assert (runs / "both-lengths.png").stat().st_size > 0
     assert "# Two training lengths: 2 position encodings" in (runs / "both-lengths.md").read_text()
 
-    more = run(tiny_comparison(wikitext_head, tmp_path, "--other-length", first, "--analyses", "extrapolation",
-                               train_length=8, eval_lengths=None, data_bin=comparison_data_bin))
+    more = run_comparison(tiny_comparison(wikitext_head, tmp_path, "--other-length", first, "--analyses",
+                                          "extrapolation", train_length=8, eval_lengths=None,
+                                          data_bin=comparison_data_bin))
     assert trainings(more) == ["training nope (--arch transformer_lm_kerple --bias-kernel none), seed 4, 3 updates"]
     assert "3 of 4 models trained and evaluated\n" in more.stdout  # alibi-seed4, finished, is no time left
     assert "over --budget-hours" not in more.stdout
@@ -259,7 +269,7 @@ def test_runs_carried_without_checkpoints_are_ranked_again_without_training(comp
         (carried / record.parent.name).mkdir(parents=True)
         for name in KEPT:
             shutil.copyfile(record.parent / name, carried / record.parent.name / name)
-    again = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "extrapolation"))
+    again = run_comparison(tiny_comparison(wikitext_head, tmp_path, "--analyses", "extrapolation"))
     assert "training" not in again.stdout and "evaluating" not in again.stdout
     assert again.stdout.count("is kept without its checkpoint, trained and evaluated so") == 4
     assert (carried / "leaderboard.csv").read_text() == (finished / "leaderboard.csv").read_text()
@@ -267,11 +277,12 @@ def test_runs_carried_without_checkpoints_are_ranked_again_without_training(comp
     assert (carried / "analysis" / "extrapolation.csv").read_text() == (
         finished / "analysis" / "extrapolation.csv").read_text()
 
-    needs_checkpoints = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "kernels"), check=False)
+    needs_checkpoints = run_comparison(tiny_comparison(wikitext_head, tmp_path, "--analyses", "kernels"), check=False)
     assert needs_checkpoints.returncode == 2 and len(needs_checkpoints.stderr.strip().splitlines()) == 1
     assert re.fullmatch(r"small_comparison: error: kerple-analyze kernels reads \S+checkpoint_last.pt \(and 1 more\), "
                         r"absent: a run kept without its checkpoint .*", needs_checkpoints.stderr.strip())
-    fewer_targets = run(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--num-targets", "6", seeds=[4]))
+    fewer_targets = run_comparison(tiny_comparison(wikitext_head, tmp_path, "--analyses", "--num-targets", "6",
+                                                   seeds=[4]))
     assert fewer_targets.stdout.count("training ") == 2 and fewer_targets.stdout.count("evaluating ") == 2
 
 
@@ -279,10 +290,11 @@ def test_runs_carried_without_checkpoints_are_ranked_again_without_training(comp
 def test_models_trained_alike_share_one_checkpoint_across_invocations(comparison_data_bin, wikitext_head, tmp_path):
     """rotary_rerope is rotary evaluated with ReRoPE: rotary, asked for later, is its checkpoint's copy."""
     def comparison(*models):
-        return run([sys.executable, SCRIPT, "--wikitext-dir", wikitext_head, "--data-bin", comparison_data_bin,
-                    "--out", tmp_path / "runs", "--vocab-size", "300", "--models", *models, "--train-length", "16",
-                    "--eval-lengths", "16", "32", "--num-targets", "8", "--updates", "3", "--max-tokens", "256",
-                    "--layers", "1", "--width", "16", "--heads", "2", "--analyses"]).stdout
+        return run_comparison([
+            sys.executable, SCRIPT, "--wikitext-dir", wikitext_head, "--data-bin", comparison_data_bin, "--out",
+            tmp_path / "runs", "--vocab-size", "300", "--models", *models, "--train-length", "16", "--eval-lengths",
+            "16", "32", "--num-targets", "8", "--updates", "3", "--max-tokens", "256", "--layers", "1", "--width", "16",
+            "--heads", "2", "--analyses"]).stdout
 
     assert "training rotary_rerope" in comparison("rotary_rerope")
     both = comparison("rotary", "rotary_rerope")
@@ -296,8 +308,8 @@ def test_models_trained_alike_share_one_checkpoint_across_invocations(comparison
 
 @pytest.mark.slow
 def test_models_all_stands_alone(wikitext_head, tmp_path):
-    proc = run([sys.executable, SCRIPT, "--wikitext-dir", wikitext_head, "--out", tmp_path, "--models", "all", "nope"],
-               check=False)
+    proc = run_comparison([sys.executable, SCRIPT, "--wikitext-dir", wikitext_head, "--out", tmp_path, "--models", "all",
+                           "nope"], check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "small_comparison: error: --models all stands alone: it names every model"
 
@@ -315,7 +327,7 @@ def test_a_wrong_other_length_or_budget_is_refused_before_any_run(comparison, wi
              (("--train-length", "1"), "--train-length must be 2 or more: one token has no other position, and "
                                        "ReRoPE scales queries by log(i + 1) / log(training length)")]
     for options, message in cases:
-        proc = run(tiny_comparison(wikitext_head, tmp_path, *options), check=False)
+        proc = run_comparison(tiny_comparison(wikitext_head, tmp_path, *options), check=False)
         assert proc.returncode == 2 and proc.stderr.strip() == f"small_comparison: error: {message}"
         assert not (tmp_path / "runs").exists()
 
