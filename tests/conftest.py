@@ -2,6 +2,7 @@
 models trained on it."""
 
 import functools
+import importlib.util
 import json
 import logging
 import math
@@ -27,6 +28,11 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 sys.path[:0] = [str(Path(__file__).parent), str(REPO)]  # helpers; this checkout's kerple_fairseq
+
+if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None:
+    import triton_interpreter  # noqa: E402
+
+    triton_interpreter.install()
 
 from kerple_fairseq.experiments.paths import sample_places  # noqa: E402
 
