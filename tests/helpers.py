@@ -47,6 +47,7 @@ FLEX_METHODS.update({
     "fire": ("fire", ["--fire-threshold", "4"]),
     "chunked": ("chunked", ["--attn-chunk-size", "8"]),
     "ssmax": ("none", ["--rotary-embeddings", "--ssmax"]),
+    "bam": ("bam", ["--bam-loc-trainable"]),  # its location learned, so that its gradient is compared too
     "bam-ssmax": ("bam", ["--ssmax"]),  # the bias scaled row by row
     "kerple_log-temperature": ("kerple_log", ["--attn-temperature-tuning", "--attn-temperature-floor-scale", "8"]),
 })

@@ -119,7 +119,8 @@ def test_ssmax_logits_and_scale_gradients_equal_the_loops(window):
 def test_ssmax_over_bam_scales_the_bias_as_its_scope_says(window, scope):
     """``logits`` (the default, SSMax's paper and BAM's code): ``s log(n) (q.k + B)``; ``queries``:
     ``s log(n) q.k + B``; gradients of BAM's shape, scale and location included."""
-    attention, x, parameters = attention_of("bam", "--ssmax", "--ssmax-scope", scope, "--attn-window", str(window))
+    attention, x, parameters = attention_of("bam", "--bam-loc-trainable", "--ssmax", "--ssmax-scope", scope,
+                                            "--attn-window", str(window))
     kernel = attention.setup.bias.kernel
     with torch.no_grad():
         kernel.shape.copy_(torch.tensor([1.3, -0.4, 0.7, 2.2]))

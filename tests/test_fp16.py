@@ -21,7 +21,7 @@ from helpers import random_tokens, tiny_model
 SIZE = model_size_flags(layers=2, width=32, heads=4)
 UPDATES = 4
 LEARNABLE = [name for name, cls in sorted(KERNELS.items()) if issubclass(cls, LearnableKernel)]
-KERNEL_FLAGS = {"alibi_rf": ["--alibi-rf-learnable-rho", "--alibi-rf-rho", "32"]}
+KERNEL_FLAGS = {"alibi_rf": ["--alibi-rf-learnable-rho", "--alibi-rf-rho", "32"], "bam": ["--bam-loc-trainable"]}
 RUNS = {f"{name}-{p}": ["--bias-kernel", name, *KERNEL_FLAGS.get(name, []), "--kernel-parameterization", p]
         for name in LEARNABLE for p in ("clamp", "softplus")}
 RUNS["t5"] = ["--bias-kernel", "t5"]

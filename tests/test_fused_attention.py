@@ -32,6 +32,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 #: every method the kernel serves: each distance kernel, the Forgetting Transformer's two biases, rotary
 METHODS = {name: (name, ["--attn-window", "9"] if name == "window" else []) for name in sorted(KERNELS)}
+METHODS["bam"] = ("bam", ["--bam-loc-trainable"])  # its location learned, so that its gradient is compared too
 METHODS.update({"fox": ("fox", []), "fox_bias_only": ("fox_bias_only", []), "rotary": ("none", ["--rotary-embeddings"])})
 FAST = ["alibi", "kerple_log", "kerple_bias_wht", "fox"]
 

@@ -38,7 +38,7 @@ class SineKernel(BiasKernel):
 
 
 def kernel_options():
-    return Namespace(alibi_rf_learnable_rho=True, decoder_embed_dim=64)
+    return Namespace(alibi_rf_learnable_rho=True, bam_loc_trainable=True, decoder_embed_dim=64)  # every option learned
 
 
 def test_the_kernels_with_per_head_parameters_are_the_learnable_ones():

@@ -61,3 +61,21 @@ def test_training_in_process_repeats_exactly_and_leaves_logging_as_it_was(data_b
     assert len(first_losses) == 3 and first_losses == second_losses
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
     assert [(logger.level, list(logger.handlers)) for logger in loggers] == before
+
+
+@pytest.mark.parametrize("trainable", [False, True], ids=["held", "learned"])
+def test_bam_learns_its_location_only_when_asked(data_bin, tmp_path, trainable):
+    """BAM as its reference trains it: the shape and the log-scale learned, the location held at its initial
+    value unless ``--bam-loc-trainable`` (the reference's ``--theta_mu_trainable 1``), in the saved checkpoint and
+    in its options, so that a resumed run holds or learns it as the first did."""
+    flags = ["--bias-kernel", "bam", "--bam-loc-init", "0.3", *(["--bam-loc-trainable"] if trainable else [])]
+    train_in_process(data_bin, tmp_path, 4, "--arch", "transformer_lm_kerple", *SIZE, *flags)
+    state = torch.load(tmp_path / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    cfg = state["cfg"]["model"]
+    assert cfg["bam_loc_trainable"] is trainable
+    initial = build_kernel("bam", cfg["decoder_attention_heads"], argparse.Namespace(**cfg))
+    assert initial.loc.requires_grad is trainable
+    prefix = "decoder.attention_bias.kernel."
+    for name, start in initial.state_dict().items():
+        moved = not torch.equal(state["model"][prefix + name], start)
+        assert moved is (name != "loc" or trainable), (name, state["model"][prefix + name], start)

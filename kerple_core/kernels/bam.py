@@ -28,6 +28,9 @@ class BamOptions:
         "or a number a > 0 (every head 1/a, the reference's numeric form)"})
     bam_loc_init: float = field(default=0.0, metadata={
         "help": "BAM: the initial stored location l of every head (the prior's centre is 2 sinh(l) keys away)"})
+    bam_loc_trainable: bool = field(default=False, metadata={
+        "help": "BAM: learn the location l of every head (the reference's --theta_mu_trainable 1); without it the "
+        "location stays at --bam-loc-init, as the reference trains it"})
 
 
 def initial_log_scales(num_heads: int, scale_init: str) -> Tensor:
@@ -46,7 +49,9 @@ def initial_log_scales(num_heads: int, scale_init: str) -> Tensor:
 @register_kernel("bam")
 class BamKernel(BiasKernel):
     """``B_h(d) = -e^{s_h} (|d + mu_h| + eps)^{beta_h}``, ``mu_h = 2 sinh(l_h)``, ``eps = 1e-5``; learnable
-    shape ``beta_h`` (any sign), log-scale ``s_h`` and location ``l_h``, none constrained.
+    shape ``beta_h`` (any sign) and log-scale ``s_h``, none constrained; the location ``l_h`` held at its
+    initial value, as the reference trains it (``theta_mu``, learned only with ``--theta_mu_trainable 1``),
+    and learned with ``--bam-loc-trainable``.
 
     BAM, the Bayesian Attention Mechanism (Bianchessi et al., ICLR 2026; arXiv 2505.22842), §2.3 (GGD-BAM):
     a generalised-Gaussian prior over the key's position, ``-|(i - j - m_h) / alpha_h|^beta_h`` with ``m_h = -mu_h`` and
@@ -63,7 +68,7 @@ class BamKernel(BiasKernel):
     per_head_parameters = True
 
     def __init__(self, num_heads: int, bam_shape_init: float = 1.0, bam_scale_init: str = SLOPE,
-                 bam_loc_init: float = 0.0):
+                 bam_loc_init: float = 0.0, bam_loc_trainable: bool = False):
         super().__init__(num_heads)
         for flag, value in (("--bam-shape-init", bam_shape_init), ("--bam-loc-init", bam_loc_init)):
             if not math.isfinite(value):
@@ -71,7 +76,7 @@ class BamKernel(BiasKernel):
         self.eps = BAM_EPS
         self.shape = nn.Parameter(torch.full((num_heads,), float(bam_shape_init)))
         self.scale = nn.Parameter(initial_log_scales(num_heads, bam_scale_init))
-        self.loc = nn.Parameter(torch.full((num_heads,), float(bam_loc_init)))
+        self.loc = nn.Parameter(torch.full((num_heads,), float(bam_loc_init)), requires_grad=bool(bam_loc_trainable))
 
     def forward(self, distance: Tensor) -> Tensor:
         dtype = self.compute_dtype()
