@@ -212,7 +212,7 @@ def test_training_steps_stay_on_the_device_and_never_wait_for_it(flags):
     assert watch.answered == set(ANSWERS)
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     assert state and all(t.device == DEVICE for t in state)
-    assert all(p.grad.device == DEVICE for p in model.parameters())
+    assert all(p.grad.device == DEVICE if p.requires_grad else p.grad is None for p in model.parameters())  # held: none
 
 
 @pytest.mark.parametrize("flags", METHODS, ids=method_id)
