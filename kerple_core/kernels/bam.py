@@ -25,7 +25,7 @@ class BamOptions:
         "up to a constant per head); negative values start heads that favour distant keys"})
     bam_scale_init: str = field(default=SLOPE, metadata={
         "help": "BAM: the initial multiplier of each head: slope (ALiBi's slope m_h, the reference's default) "
-        "or a number a > 0 (every head 1/a, the reference's numeric form)"})
+        "or a number a > 0 (every head 1/a, as the reference's BAM-SSMax model of May 2025 reads it)"})
     bam_loc_init: float = field(default=0.0, metadata={
         "help": "BAM: the initial stored location l of every head (the prior's centre is 2 sinh(l) keys away)"})
     bam_loc_trainable: bool = field(default=False, metadata={
@@ -57,9 +57,10 @@ class BamKernel(BiasKernel):
     a generalised-Gaussian prior over the key's position, ``-|(i - j - m_h) / alpha_h|^beta_h`` with ``m_h = -mu_h`` and
     ``alpha_h = e^{-s_h / beta_h}``, in the reference code's form (``ArthurSBianchessi/BAM``,
     ``AttentionPrior``: the relative position ``j - i``, the location ``2 sinh(l)``, the scale stored as its
-    log, ``eps`` inside the power). Initialised as the reference trains it: ``beta = 1``, ``e^s`` ALiBi's
-    slope, ``l = 0``, so that at the start it is ALiBi up to ``-m_h eps`` per head, which the softmax
-    ignores. With ``mu = 0`` and ``0 < beta <= 2`` it is KERPLE's power kernel (``r1 = e^s``, ``r2 = beta``)
+    log, ``eps`` inside the power). Initialised as the reference's script of May 2025: ``beta = 1``, ``e^s``
+    ALiBi's slope, ``l = 0``, so that at the start it is ALiBi up to ``-m_h eps`` per head, which the softmax
+    ignores (its current script starts flat, ``beta = 0``, ``s = 0``: ``--bam-shape-init 0
+    --bam-scale-init 1``). With ``mu = 0`` and ``0 < beta <= 2`` it is KERPLE's power kernel (``r1 = e^s``, ``r2 = beta``)
     but for ``eps``; ``beta < 0`` gives heads that favour distant keys. The paper pairs it with scalable
     softmax scaling the whole logit (``--ssmax``).
     """
