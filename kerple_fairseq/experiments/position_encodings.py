@@ -77,7 +77,8 @@ POSITION_ENCODINGS = {
     "bam_ssmax_queries": PositionEncoding("BAM+SSMax on q.k", "kerple", (
         "--bias-kernel", "bam", "--ssmax", "--ssmax-scale-init", "1", "--ssmax-scope", "queries"),
         baseline="bam_ssmax"),
-    # BAM's prior alone (its location, scale and shape learned), against ALiBi
+    # BAM's prior alone (its scale and shape learned, its location held: the reference's default), against ALiBi;
+    # the committed perplexity boards' runs under these flags learned the location too (docs/small-comparison.md)
     "bam": PositionEncoding("BAM", "kerple", ("--bias-kernel", "bam")),
     # hybrid layouts over the comparison's two layers (their papers' 1 global layer in 4, or Gemma's 1 in 6, is
     # 1 in 2 here), the local layers' span a quarter of the training length: RNoPE-SWA (rotary in a sliding
