@@ -213,6 +213,84 @@ def test_a_perfect_copier_scores_everything_and_one_that_never_attends_scores_ch
     assert abs(blind.correct.mean() - chance) < 4 * math.sqrt(chance * (1 - chance) / n), (blind.correct.mean(), n)
 
 
+def sometimes_right(task):
+    """Predicts as :func:`copying`, but wrong wherever ``(7 t + 3 row[t]) % 9 == 0``: whole answers right and
+    wrong by a rule of its own."""
+    right = copying(task)
+
+    def predict(row):
+        out = right(row)
+        wrong = (7 * np.arange(len(row)) + 3 * row) % 9 == 0
+        out[wrong] = task.dictionary.pad()
+        return out
+    return predict
+
+
+def wholes_by_description(task, tokens):
+    """The whole answers of an example as the task's description says (an MQAR value, the passkey's digits
+    together, copying's spans of 8 tokens, its last shorter span none): lists of answer positions."""
+    answers = [t for t, _ in expected_answers(task, tokens)]
+    kind = task.dictionary[int(tokens[0])].strip("<>")
+    if kind == "mqar":
+        return [[t] for t in answers]
+    if kind == "passkey":
+        return [answers]
+    return [answers[k:k + 8] for k in range(0, len(answers) - 7, 8)]
+
+
+@pytest.mark.parametrize("name", TASKS)
+@pytest.mark.parametrize("length", [24, 64, 301])
+def test_whole_answers_are_right_when_every_token_is(name, length):
+    task = retrieval_task(retrieval_tasks=name, tokens_per_sample=length, valid_examples=40)
+    data = task.examples("valid")
+    predict = sometimes_right(task)
+    found = retrieval_accuracy.score(ByRule(len(task.dictionary), predict), data, "cpu", 4096)
+    right, depths = [], []
+    for i in range(len(data)):
+        tokens = data.example(i).tokens
+        predicted = predict(tokens[:-1])
+        sources = dict(expected_answers(task, tokens))
+        for whole in wholes_by_description(task, tokens):
+            right.append(all(predicted[t] == tokens[t + 1] for t in whole))
+            depths.append(max(t + 1 - sources[t] for t in whole))
+    record = retrieval_accuracy.summary(name, length, found, 64)
+    assert record["num_whole"] == len(right) > 0 and record["whole_accuracy"] == np.mean(right)
+    assert 0 < np.mean(found.correct) < 1 and 0 < np.mean(right) < 1
+    for d in record["depths"]:
+        inside = [r for r, depth in zip(right, depths) if d["from"] <= depth <= d["to"]]
+        assert d["num_whole"] == len(inside) and d["whole_accuracy"] == (np.mean(inside) if inside else None)
+
+
+def expected_inverse_power(draws: int, symbols: int, k: int) -> float:
+    """E[D^-k], D the distinct symbols among ``draws`` drawn uniformly from ``symbols`` (exact, in
+    float64): P(D = d) = C(symbols, d) S(draws, d) d! / symbols^draws, S Stirling's numbers of the second kind."""
+    stirling = [[0] * (draws + 1) for _ in range(draws + 1)]
+    stirling[0][0] = 1
+    for n in range(1, draws + 1):
+        for d in range(1, n + 1):
+            stirling[n][d] = d * stirling[n - 1][d] + stirling[n - 1][d - 1]
+    return sum(math.comb(symbols, d) * stirling[draws][d] * math.factorial(d) / symbols ** draws / d ** k
+               for d in range(1, draws + 1))
+
+
+@pytest.mark.parametrize("name, draws, symbols, span", [("mqar", 8, 32, 1), ("passkey", 5, 10, 5), ("copy", 31, 64, 8)])
+def test_chance_levels_are_the_expected_guesses(name, draws, symbols, span):
+    """At length 64: a guess among every answer symbol is right 1/symbols a token; a guess among those the
+    input shows (MQAR's 8 values, the passkey's 5 digits, copying's 31 symbols, each drawn uniformly, so D of
+    them distinct) is right E[1/D] a token and E[D^-span] a whole answer, within four standard errors."""
+    examples = 1500
+    task = retrieval_task(retrieval_tasks=name, tokens_per_sample=64, valid_examples=examples)
+    found = retrieval_accuracy.score(ByRule(len(task.dictionary), current_token_only(task)), task.examples("valid"),
+                                     "cpu", 1 << 16)
+    chance = retrieval_accuracy.summary(name, 64, found, 64)["chance"]
+    assert chance["per_token"]["uniform"] == pytest.approx(1 / symbols)
+    assert chance["whole"]["uniform"] == pytest.approx(symbols ** -span)
+    for key, k in (("per_token", 1), ("whole", span)):
+        mean, second = expected_inverse_power(draws, symbols, k), expected_inverse_power(draws, symbols, 2 * k)
+        error = math.sqrt((second - mean ** 2) / examples)
+        assert abs(chance[key]["in_context"] - mean) < 4 * error, (key, chance[key]["in_context"], mean, error)
+
+
 def test_cross_entropy_and_the_accuracy_read_the_answers_alone():
     """fairseq's cross_entropy criterion on a batch equals minus the mean log-probability of its answers, as
     retrieval_accuracy.score finds them; the accuracy is the argmax's, position by position."""
@@ -239,12 +317,19 @@ def test_cross_entropy_and_the_accuracy_read_the_answers_alone():
 def test_depth_bins_and_summary():
     assert retrieval_accuracy.depth_bins(64, 300) == [(1, 64), (65, 128), (129, 256), (257, 512)]
     answers = retrieval_accuracy.Answers(np.array([0, 0, 1, 1]), np.array([10, 100, 64, 65]),
-                                         np.array([True, False, True, True]), np.log([0.5, 0.25, 1.0, 0.5]))
+                                         np.array([True, False, True, True]), np.log([0.5, 0.25, 1.0, 0.5]),
+                                         np.array([0, 1, 7, 7]), np.full(4, 10), np.array([2, 2, 4, 4]))
     record = retrieval_accuracy.summary("mqar", 128, answers, 64)
     assert record["accuracy"] == 0.75 and record["num_examples"] == 2
+    assert record["whole_accuracy"] == 2 / 3 and record["num_whole"] == 3
     assert record["loss"] == pytest.approx((1 + 2 + 0 + 1) / 4)
-    assert record["depths"] == [{"from": 1, "to": 64, "accuracy": 1.0, "num_answers": 2},
-                                {"from": 65, "to": 128, "accuracy": 0.5, "num_answers": 2}]
+    assert record["depths"] == [{"from": 1, "to": 64, "accuracy": 1.0, "num_answers": 2, "whole_accuracy": 1.0,
+                                 "num_whole": 1},
+                                {"from": 65, "to": 128, "accuracy": 0.5, "num_answers": 2, "whole_accuracy": 0.5,
+                                 "num_whole": 2}]
+    assert record["chance"] == {"per_token": {"uniform": pytest.approx(0.1), "in_context": pytest.approx(0.375)},
+                                "whole": {"uniform": pytest.approx((0.1 + 0.1 + 0.01) / 3),
+                                          "in_context": pytest.approx((0.5 + 0.5 + 1 / 16) / 3)}}
     per_example = answers.per_example()
     assert per_example.correct.tolist() == [1, 2] and per_example.answers.tolist() == [2, 2]
 

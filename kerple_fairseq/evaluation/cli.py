@@ -248,7 +248,8 @@ def evaluate(args, cfg) -> int:
     return 1 if failed else 0
 
 
-RETRIEVAL_HEADER = f"{'task':<10} {'length':>7} {'accuracy':>9} {'loss':>8} {'answers':>8}"
+RETRIEVAL_HEADER = (f"{'task':<10} {'length':>7} {'accuracy':>9} {'loss':>8} {'answers':>8} {'whole':>9} "
+                    f"{'wholes':>7} {'guess':>7}")
 
 
 def evaluate_retrieval(args, cfg) -> int:
@@ -284,7 +285,10 @@ def evaluate_retrieval(args, cfg) -> int:
             scores[name, length] = found.per_example()
             records.append(retrieval_accuracy.summary(name, length, found, train_length))
             r = records[-1]
-            print(f"{name:<10} {length:>7} {r['accuracy']:>9.4f} {r['loss']:>8.4f} {r['num_answers']:>8}", flush=True)
+            whole, guess = r["whole_accuracy"], r["chance"]["whole"]["in_context"]
+            print(f"{name:<10} {length:>7} {r['accuracy']:>9.4f} {r['loss']:>8.4f} {r['num_answers']:>8} "
+                  f"{'-' if whole is None else format(whole, '.4f'):>9} {r['num_whole']:>7} "
+                  f"{'-' if guess is None else format(guess, '.4f'):>7}", flush=True)
     if args.results_json:
         with open(args.results_json, "w") as f:
             json.dump(records, f, indent=1)

@@ -1,7 +1,10 @@
 """Accuracy on the retrieval tasks (:mod:`kerple_fairseq.tasks.retrieval`): each answer is right when the
-model's most probable next token is it. ``kerple-eval-lm --task retrieval`` reports it for every task and
-length, overall and by depth (how far back the answer's source lies), and the answers' log-probabilities,
-whose mean is the loss fairseq's ``cross_entropy`` and ``fairseq-eval-lm`` give on the same examples.
+model's most probable next token is it, and a whole answer (an MQAR value, the passkey's digits, a copied
+span) when each of its tokens is: what greedy decoding after the true input would give whole.
+``kerple-eval-lm --task retrieval`` reports both for every task and length, overall and by depth (how far
+back the answer's source lies), the chance of a guess (among all of the task's answer symbols, and among
+those the example's input shows), and the answers' log-probabilities, whose mean is the loss fairseq's
+``cross_entropy`` and ``fairseq-eval-lm`` give on the same examples.
 
 An example-scores file (``--example-scores``, ``.npz`` read with ``allow_pickle=False``) holds for each task
 and length each example's answers and how many of them were right (a few kilobytes: what the retrieval
@@ -10,7 +13,7 @@ only scores of the same examples are ever paired."""
 
 import json
 import math
-from typing import Dict, List, NamedTuple, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -18,8 +21,11 @@ import torch
 from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation.loading import load_checkpoint_state
 from kerple_fairseq.tasks.retrieval import DICTIONARY_OPTIONS, NAME
+from kerple_fairseq.tasks.retrieval_sequences import answer_symbols, shown_answer_symbols, whole_answers
 
 FORMAT = "kerple-example-scores-1"
+#: more whole answers than any example holds: example i's whole answer w is numbered i * MAX_WHOLES + w
+MAX_WHOLES = 1 << 20
 
 
 class Answers(NamedTuple):
@@ -29,6 +35,9 @@ class Answers(NamedTuple):
     depth: np.ndarray  # int64: its position minus its source's
     correct: np.ndarray  # bool: the model's most probable token is the answer
     log_prob: np.ndarray  # float64: the natural log of the answer's probability
+    whole: np.ndarray  # int64: the whole answer it is part of (numbered across the examples), -1 for none
+    choices: np.ndarray  # int64: the symbols an answer of its task is drawn from
+    shown: np.ndarray  # int64: how many of them its example's input shows before the first answer
 
     @classmethod
     def concatenate(cls, parts: Sequence["Answers"]) -> "Answers":
@@ -38,6 +47,28 @@ class Answers(NamedTuple):
         examples, where = np.unique(self.example, return_inverse=True)
         return ExampleScores(np.bincount(where, weights=self.correct, minlength=examples.size).astype(np.int64),
                              np.bincount(where, minlength=examples.size).astype(np.int64))
+
+
+class Wholes(NamedTuple):
+    """Every whole answer of one task at one length (:func:`~kerple_fairseq.tasks.retrieval_sequences.whole_answers`)."""
+
+    right: np.ndarray  # bool: every token of it is right (greedy decoding after the true input gives it whole)
+    depth: np.ndarray  # int64: the deepest of its tokens' depths
+    uniform: np.ndarray  # float64: the chance of guessing it whole among all the symbols of its task's answers
+    in_context: np.ndarray  # float64: ... among the symbols its example's input shows (a guess in context)
+
+    @classmethod
+    def of(cls, answers: Answers) -> "Wholes":
+        kept = answers.whole >= 0
+        ids, where = np.unique(answers.whole[kept], return_inverse=True)
+
+        def total(values):
+            return np.bincount(where, weights=values[kept].astype(np.float64), minlength=ids.size)
+
+        depth = np.zeros(ids.size, dtype=np.int64)
+        np.maximum.at(depth, where, answers.depth[kept])
+        return cls(total(answers.correct) == total(np.ones_like(answers.depth)), depth,
+                   np.exp(-total(np.log(answers.choices))), np.exp(-total(np.log(answers.shown))))
 
 
 class ExampleScores(NamedTuple):
@@ -63,10 +94,18 @@ def score(model, dataset, device, max_tokens: int) -> Answers:
         answers = target.ne(dataset.pad)
         answer_log_probs = log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1)[answers]
         correct = log_probs.argmax(-1).eq(target)[answers]
+        tasks = [dataset.task_of(i) for i in indices]
+        counts = [len(e.answers) for e in examples]
+        wholes = [whole_answers(t, n) for t, n in zip(tasks, counts)]
         parts.append(Answers(
-            np.concatenate([np.full(len(e.answers), i) for i, e in zip(indices, examples)]),
+            np.concatenate([np.full(n, i) for i, n in zip(indices, counts)]),
             np.concatenate([e.answers + 1 - e.sources for e in examples]),
-            correct.cpu().numpy(), answer_log_probs.double().cpu().numpy()))
+            correct.cpu().numpy(), answer_log_probs.double().cpu().numpy(),
+            np.concatenate([np.where(w < 0, -1, i * MAX_WHOLES + w) for i, w in zip(indices, wholes)]),
+            np.concatenate([np.full(n, len(answer_symbols(t, dataset.settings, dataset.alphabet)))
+                            for t, n in zip(tasks, counts)]),
+            np.concatenate([np.full(n, shown_answer_symbols(t, dataset.settings, dataset.alphabet, e))
+                            for t, n, e in zip(tasks, counts, examples)])))
     return Answers.concatenate(parts)
 
 
@@ -92,19 +131,33 @@ def depth_bins(train_length: int, longest: int) -> List[Tuple[int, int]]:
     return bins
 
 
+def _mean(values: np.ndarray) -> Optional[float]:
+    return float(values.mean()) if values.size else None
+
+
 def summary(task: str, length: int, answers: Answers, train_length: int) -> Dict:
-    """A results record: accuracy and base-2 loss of the answers, and the accuracy in each depth range."""
+    """A results record: accuracy and base-2 loss of the answers, the accuracy of the whole answers (None
+    where the length holds none), both in each depth range, and the chance of a guess, token by token and
+    whole, among all of the task's answer symbols and among those the input shows."""
     if answers.correct.size == 0:
         raise UsageError(f"{task} at length {length} has no answers")
+    wholes = Wholes.of(answers)
     depths = []
     for lo, hi in depth_bins(train_length, int(answers.depth.max())):
         inside = (answers.depth >= lo) & (answers.depth <= hi)
+        whole_inside = (wholes.depth >= lo) & (wholes.depth <= hi)
         if inside.any():
             depths.append({"from": lo, "to": hi, "accuracy": float(answers.correct[inside].mean()),
-                           "num_answers": int(inside.sum())})
+                           "num_answers": int(inside.sum()), "whole_accuracy": _mean(wholes.right[whole_inside]),
+                           "num_whole": int(whole_inside.sum())})
+    chance = {"per_token": {"uniform": float(np.mean(1.0 / answers.choices)),
+                            "in_context": float(np.mean(1.0 / answers.shown))},
+              "whole": {"uniform": _mean(wholes.uniform), "in_context": _mean(wholes.in_context)}}
     return {"task": task, "length": length, "accuracy": float(answers.correct.mean()),
-            "loss": float(-answers.log_prob.mean() / math.log(2)), "num_answers": int(answers.correct.size),
-            "num_examples": int(np.unique(answers.example).size), "train_length": train_length, "depths": depths}
+            "whole_accuracy": _mean(wholes.right), "loss": float(-answers.log_prob.mean() / math.log(2)),
+            "num_answers": int(answers.correct.size), "num_whole": int(wholes.right.size),
+            "num_examples": int(np.unique(answers.example).size), "train_length": train_length, "chance": chance,
+            "depths": depths}
 
 
 def save(path: str, meta: Dict, scores: Dict[Tuple[str, int], ExampleScores]) -> None:

@@ -55,9 +55,11 @@ class RetrievalDataset(FairseqDataset):
         self.tasks, self.settings, self.alphabet, self.pad = tasks, settings, alphabet, pad
         self.seed, self.split, self.length, self.count, self.offset = seed, split, length, size, 0
 
+    def task_of(self, index: int) -> str:
+        return self.tasks[index % len(self.tasks)]
+
     def example(self, index: int) -> Example:
-        task = self.tasks[index % len(self.tasks)]
-        return draw(task, self.settings, self.alphabet, self.length,
+        return draw(self.task_of(index), self.settings, self.alphabet, self.length,
                     generator(self.seed, self.split, self.length, self.offset + index))
 
     def __getitem__(self, index):

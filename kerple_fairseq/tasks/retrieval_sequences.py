@@ -15,6 +15,9 @@ before, its *source*; an answer's *depth* is how far back that is (its position 
   example, a separator and the sequence again, which is scored.
 
 Noise is drawn from a filler alphabet of its own, so it is never a key, a digit or a copied symbol.
+
+A *whole answer* is what the literature scores as one: an MQAR value, the passkey's digits together, a span
+of :data:`COPY_SPAN` copied tokens (copying's last, shorter span is scored token by token alone).
 """
 
 from dataclasses import dataclass
@@ -29,6 +32,8 @@ DIGITS = 10
 #: the symbols after fairseq's four special ones, in the dictionary's order: a marker opening each task's
 #: examples, the passkey's marker and the copy's separator; then the content, the digits and the filler
 MARKERS = tuple(f"<{task}>" for task in TASKS) + ("<passkey-marker>", "<copy-separator>")
+#: the copied tokens one whole answer of copying holds
+COPY_SPAN = 8
 
 
 @dataclass(frozen=True)
@@ -137,3 +142,33 @@ def draw(task: str, settings: Settings, alphabet: Alphabet, length: int, rng: np
         tokens[first + half] = alphabet.markers + len(TASKS) + 1
         return Example(tokens, np.arange(length - half, length), first + np.arange(half))
     raise ValueError(f"unknown retrieval task {task!r}: choose among {', '.join(TASKS)}")
+
+
+def whole_answers(task: str, count: int) -> np.ndarray:
+    """For each of the ``count`` answers of an example of ``task``, the whole answer it is part of (0, 1, ..
+    in the example), or -1 for none."""
+    if task == "mqar":
+        return np.arange(count)
+    if task == "passkey":
+        return np.zeros(count, dtype=np.int64)
+    if task == "copy":
+        spans = np.arange(count) // COPY_SPAN
+        spans[count - count % COPY_SPAN:] = -1
+        return spans
+    raise ValueError(f"unknown retrieval task {task!r}: choose among {', '.join(TASKS)}")
+
+
+def answer_symbols(task: str, settings: Settings, alphabet: Alphabet) -> range:
+    """The symbols an answer of ``task`` is drawn from: MQAR's values, the digits, the copied content."""
+    values = alphabet.content + settings.vocabulary // 2
+    return {"mqar": range(values, alphabet.digits), "passkey": range(alphabet.digits, alphabet.filler),
+            "copy": range(alphabet.content, alphabet.digits)}[task]
+
+
+def shown_answer_symbols(task: str, settings: Settings, alphabet: Alphabet, example: Example) -> int:
+    """How many distinct symbols of :func:`answer_symbols` the input shows before the first answer: those a
+    model that guesses among the candidates in its context picks from (MQAR's values in the pairs, the
+    passkey's digits, the copied sequence's symbols)."""
+    symbols = answer_symbols(task, settings, alphabet)
+    read = example.tokens[:example.answers[0] + 1]
+    return int(np.unique(read[(read >= symbols.start) & (read < symbols.stop)]).size)
