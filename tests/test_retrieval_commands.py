@@ -128,6 +128,7 @@ TRAIN_ERRORS = [
     (["--mqar-queries", "9"], "--mqar-queries must be between 1 and --mqar-pairs (8)"),
     (["--passkey-depth", "2"], "--passkey-depth must be between 0 (first) and 1 (last)"),
     (["--tokens-per-sample", "8"], "--tokens-per-sample 8 is too short for mqar"),
+    (["--train-task-mix", "random"], "--train-task-mix: invalid choice: 'random' (choose from 'turns', 'equal-loss')"),
 ]
 
 

@@ -130,6 +130,29 @@ def test_training_examples_change_with_the_epoch_and_validation_examples_do_not(
     assert valid_again is valid and all(torch.equal(a, b) for a, b in zip(valid_batches, valid_later))
 
 
+def test_an_equal_loss_mix_gives_every_task_as_many_answers():
+    """Under ``--train-task-mix equal-loss`` each training example's task is drawn with a chance inverse to its
+    answers (4, 5 and 31 at length 64): the answers of each task are a third of all, within four standard
+    errors; the draw is the same on a second reading and new with the epoch; valid and test stay in turn."""
+    task = retrieval_task(train_examples=6000, train_task_mix="equal-loss")
+    train = task.examples("train")
+    drawn = [train.task_of(i) for i in range(len(train))]
+    answers = {name: task.settings.answers(name, 64) for name in TASKS}
+    assert answers == {"mqar": 4, "passkey": 5, "copy": 31}
+    assert all(len(train.example(i).answers) == answers[drawn[i]] for i in range(0, 6000, 97))
+    chances = np.array([1 / 4, 1 / 5, 1 / 31]) / sum([1 / 4, 1 / 5, 1 / 31])
+    for name, p in zip(TASKS, chances):
+        count = drawn.count(name)
+        assert abs(count - 6000 * p) < 4 * math.sqrt(6000 * p * (1 - p)), (name, count, 6000 * p)
+    assert drawn == [task.examples("train").task_of(i) for i in range(len(train))]
+    train.set_epoch(2)
+    assert drawn != [train.task_of(i) for i in range(len(train))]
+    valid = task.examples("valid")
+    assert [valid.task_of(i) for i in range(6)] == [*TASKS, *TASKS]
+    turns = retrieval_task(train_examples=6).examples("train")
+    assert [turns.task_of(i) for i in range(6)] == [*TASKS, *TASKS]
+
+
 @pytest.mark.parametrize("options, message", [
     ({"retrieval_tasks": "mqar,recall"}, "choose among mqar, passkey, copy"),
     ({"retrieval_tasks": "copy,copy"}, "names a task twice"),

@@ -10,7 +10,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 from fairseq.data import Dictionary, FairseqDataset
-from fairseq.dataclass import FairseqDataclass
+from fairseq.dataclass import ChoiceEnum, FairseqDataclass
 from fairseq.tasks import FairseqTask, register_task
 from omegaconf import II
 
@@ -18,6 +18,9 @@ from kerple_fairseq.errors import UsageError
 from kerple_fairseq.tasks.retrieval_sequences import SPLITS, TASKS, Alphabet, Example, Settings, draw, generator
 
 NAME = "retrieval"
+MIXES = ("turns", "equal-loss")
+#: the stream of an example's random numbers its task is drawn from under ``--train-task-mix equal-loss``
+TASK_STREAM = 1
 #: the options that fix the dictionary: a model is evaluated with those it was trained with
 DICTIONARY_OPTIONS = ("retrieval_vocabulary", "filler_vocabulary")
 
@@ -29,6 +32,9 @@ class RetrievalConfig(FairseqDataclass):
         "help": "none: the examples are drawn from --retrieval-seed", "argparse_const": ""})
     retrieval_tasks: str = field(default=",".join(TASKS), metadata={
         "help": f"the tasks, comma-separated, their examples in turn: {', '.join(TASKS)}"})
+    train_task_mix: ChoiceEnum(list(MIXES)) = field(default="turns", metadata={
+        "help": "the training examples' tasks: turns (example i is task i mod n) or equal-loss (each drawn with "
+        "a chance inverse to its answers, so that every task gives the loss as many answers)"})
     tokens_per_sample: int = field(default=64, metadata={"help": "the length of every example"})
     retrieval_seed: int = field(default=1, metadata={"help": "the seed the examples are drawn from"})
     train_examples: int = field(default=100_000, metadata={"help": "examples of an epoch (each epoch new ones)"})
@@ -51,12 +57,18 @@ class RetrievalDataset(FairseqDataset):
     padding wherever they are not an answer, and the answers' sources."""
 
     def __init__(self, tasks: List[str], settings: Settings, alphabet: Alphabet, pad: int, seed: int, split: str,
-                 length: int, size: int):
+                 length: int, size: int, mix: str = "turns"):
         self.tasks, self.settings, self.alphabet, self.pad = tasks, settings, alphabet, pad
         self.seed, self.split, self.length, self.count, self.offset = seed, split, length, size, 0
+        inverse = np.array([1.0 / settings.answers(task, length) for task in tasks])
+        self.chances = inverse / inverse.sum() if mix == "equal-loss" else None
 
     def task_of(self, index: int) -> str:
-        return self.tasks[index % len(self.tasks)]
+        """The task of example ``index``: in turn, or drawn with :attr:`chances`."""
+        if self.chances is None:
+            return self.tasks[index % len(self.tasks)]
+        rng = generator(self.seed, self.split, self.length, self.offset + index, TASK_STREAM)
+        return self.tasks[int(rng.choice(len(self.tasks), p=self.chances))]
 
     def example(self, index: int) -> Example:
         return draw(self.task_of(index), self.settings, self.alphabet, self.length,
@@ -138,7 +150,8 @@ class RetrievalTask(FairseqTask):
         tasks = tasks or self.task_names
         size = self.cfg.train_examples if split == "train" else self.cfg.valid_examples * len(tasks)
         return RetrievalDataset(tasks, self.settings, self.alphabet, self.dictionary.pad(), self.cfg.retrieval_seed,
-                                split, length or self.cfg.tokens_per_sample, size)
+                                split, length or self.cfg.tokens_per_sample, size,
+                                self.cfg.train_task_mix if split == "train" else "turns")
 
     def description(self, split: str) -> dict:
         """What draws the examples of ``split``, whatever their length: answers of two evaluations pair only

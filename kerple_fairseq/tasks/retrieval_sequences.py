@@ -66,6 +66,10 @@ class Settings:
             found.append(f"--passkey-depth must be between 0 (first) and 1 (last), got {self.passkey_depth}")
         return found
 
+    def answers(self, task: str, length: int) -> int:
+        """How many answers an example of ``task`` of ``length`` holds."""
+        return {"mqar": self.queries, "passkey": self.passkey_digits, "copy": (length - 1) // 2}[task]
+
     def shortest(self, task: str) -> int:
         """The shortest length an example of ``task`` fits in."""
         return {"mqar": 2 * (self.pairs + self.queries), "passkey": 2 * (self.passkey_digits + 1),
@@ -98,9 +102,10 @@ class Alphabet(NamedTuple):
         return cls(first, content, digits, digits + DIGITS)
 
 
-def generator(seed: int, split: str, length: int, index: int) -> np.random.Generator:
-    """The random numbers of one example: the same for the same four numbers on any machine."""
-    return np.random.default_rng([seed, SPLITS.index(split), length, index])
+def generator(seed: int, split: str, length: int, index: int, *more: int) -> np.random.Generator:
+    """The random numbers of one example (``more``: another stream of it): the same for the same numbers on any
+    machine."""
+    return np.random.default_rng([seed, SPLITS.index(split), length, index, *more])
 
 
 def draw(task: str, settings: Settings, alphabet: Alphabet, length: int, rng: np.random.Generator) -> Example:
