@@ -40,7 +40,14 @@ def parse_args(argv=None):
                    help="evaluation lengths (default: 1x, 2x, 4x ... 32x the training length)")
     p.add_argument("--examples", type=int, default=100, help="validation examples of each task at each length "
                    "(default: 100)")
-    p.add_argument("--updates", type=int, default=3000, help="training updates per model")
+    p.add_argument("--updates", type=int, default=12000, help="the most training updates of a model: one that has "
+                   "not learned the tasks by then is listed as not learned (default: 12000)")
+    p.add_argument("--check-every", type=int, default=500, help="updates between two checks of whether a model has "
+                   "learned the tasks (default: 500)")
+    p.add_argument("--criterion", type=float, default=0.97, help="the whole-answer accuracy at the training length "
+                   "every task must reach on held-out examples for a model to have learned the tasks (default: 0.97)")
+    p.add_argument("--check-examples", type=int, default=100, help="held-out examples of each task at each check "
+                   "(the test split: the board's are the validation split's; default: 100)")
     p.add_argument("--max-tokens", type=int, default=2048, help="tokens per update")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--width", type=int, default=128)
@@ -69,8 +76,12 @@ def main(argv=None):
             fail(f"{option} names one twice")
     if args.eval_lengths is None:
         args.eval_lengths = [args.train_length * 2 ** k for k in range(6)]
-    if any(n <= 0 for n in [args.train_length, args.updates, args.examples, args.max_tokens, *args.eval_lengths]):
-        fail("--train-length, --eval-lengths, --examples, --updates and --max-tokens must be positive")
+    if any(n <= 0 for n in [args.train_length, args.updates, args.examples, args.max_tokens, args.check_every,
+                            args.check_examples, *args.eval_lengths]):
+        fail("--train-length, --eval-lengths, --examples, --updates, --check-every, --check-examples and --max-tokens "
+             "must be positive")
+    if not 0.0 < args.criterion <= 1.0:
+        fail(f"--criterion is a share of whole answers, above 0 and at most 1, got {args.criterion}")
     shortest = max(SETTINGS.shortest(task) for task in args.tasks)
     if min(args.train_length, *args.eval_lengths) < shortest:
         fail(f"--train-length and --eval-lengths must be {shortest} or more: the longest of these tasks' examples needs "

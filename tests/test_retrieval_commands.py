@@ -169,6 +169,7 @@ def comparison(out, *more):
     """The comparison at a tiny size, forked (:mod:`console_scripts`): the script's own imports done once; the
     trainings and evaluations it starts are processes of their own."""
     return run_forked(COMPARISON, ["--models", "alibi", "rotary", "rotary_ntk", "--seeds", "1", "2", "--updates", "8",
+                                   "--check-every", "4", "--check-examples", "4",
                                    "--train-length", "24", "--eval-lengths", "24", "48", "--examples", "10",
                                    "--layers", "1", "--width", "32", "--heads", "2", "--out", out, *more], REPO)
 
@@ -178,7 +179,14 @@ def test_the_comparison_goes_on_where_it_stopped_and_keeps_runs_without_checkpoi
     out = tmp_path / "out"
     first = comparison(out)
     assert "cost:" in first.stdout and "retrieval board" in first.stdout.lower()
-    assert first.stdout.count("training ") == 4  # rotary+NTK is evaluated on rotary's checkpoint
+    # two stretches of 4 updates each, each checked; rotary+NTK is evaluated on rotary's checkpoint
+    assert first.stdout.count("training ") == 8 and first.stdout.count("updates 4 to 8 of at most 8") == 4
+    assert first.stdout.count("not learned in 8 updates (the cap)") == 4
+    trained = json.loads((out / "alibi-seed1" / "trained.json").read_text())
+    assert [c["updates"] for c in trained["checks"]] == [4, 8] and trained["learned"] is False
+    assert set(trained["checks"][0]["whole_accuracy"]) == set(TASKS) and trained["updates"] == 8
+    assert json.loads((out / "rotary_ntk-seed1" / "trained.json").read_text())["checks"] == \
+        json.loads((out / "rotary-seed1" / "trained.json").read_text())["checks"]
     board = (out / "retrieval-board.md").read_text()
     for label in ("ALiBi", "rotary", "rotary+NTK"):
         assert f"| {label} |" in board

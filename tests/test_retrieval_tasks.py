@@ -339,9 +339,10 @@ def test_cross_entropy_and_the_accuracy_read_the_answers_alone():
 
 def test_depth_bins_and_summary():
     assert retrieval_accuracy.depth_bins(64, 300) == [(1, 64), (65, 128), (129, 256), (257, 512)]
+    M = retrieval_accuracy.MAX_WHOLES  # example 1's first whole answer
     answers = retrieval_accuracy.Answers(np.array([0, 0, 1, 1]), np.array([10, 100, 64, 65]),
                                          np.array([True, False, True, True]), np.log([0.5, 0.25, 1.0, 0.5]),
-                                         np.array([0, 1, 7, 7]), np.full(4, 10), np.array([2, 2, 4, 4]))
+                                         np.array([0, 1, M, M]), np.full(4, 10), np.array([2, 2, 4, 4]))
     record = retrieval_accuracy.summary("mqar", 128, answers, 64)
     assert record["accuracy"] == 0.75 and record["num_examples"] == 2
     assert record["whole_accuracy"] == 2 / 3 and record["num_whole"] == 3
@@ -355,10 +356,11 @@ def test_depth_bins_and_summary():
                                           "in_context": pytest.approx((0.5 + 0.5 + 1 / 16) / 3)}}
     per_example = answers.per_example()
     assert per_example.correct.tolist() == [1, 2] and per_example.answers.tolist() == [2, 2]
+    assert per_example.whole_correct.tolist() == [1, 1] and per_example.wholes.tolist() == [2, 1]
 
 
 def test_example_scores_files_are_data(tmp_path):
-    scores = {("mqar", 64): ExampleScores(np.array([3, 4]), np.array([4, 4]))}
+    scores = {("mqar", 64): ExampleScores(np.array([3, 4]), np.array([4, 4]), np.array([3, 4]), np.array([4, 4]))}
     retrieval_accuracy.save(str(tmp_path / "s.npz"), {"seed": 1}, scores)
     meta, read = retrieval_accuracy.load(str(tmp_path / "s.npz"))
     assert meta["seed"] == 1 and np.array_equal(read["mqar", 64].correct, [3, 4])
@@ -402,7 +404,8 @@ def board_of(accuracies, examples=200, seeds=(1, 2)):
     def scores_of(name, seed):
         p = accuracies[name][seeds.index(seed)]
         correct = rng.binomial(4, p, examples)
-        return {"seed": 1}, {("passkey", n): ExampleScores(correct, np.full(examples, 4)) for n in (64, 128)}
+        return {"seed": 1}, {("passkey", n): ExampleScores(correct, np.full(examples, 4), correct, np.full(examples, 4))
+                             for n in (64, 128)}
 
     entrants = [retrieval_board.Entrant(name, name.upper(), "additive bias", list(seeds)) for name in accuracies]
     return retrieval_board.build(entrants, 64, scores_of, samples=2000)
@@ -424,7 +427,7 @@ def test_board_ranks_and_resolves():
 
 def test_board_refuses_scores_of_other_examples():
     def scores_of(name, seed):
-        return {"seed": seed if name == "nope" else 1}, {("mqar", 64): ExampleScores(np.ones(3), np.ones(3))}
+        return {"seed": seed if name == "nope" else 1}, {("mqar", 64): ExampleScores(*[np.ones(3)] * 4)}
 
     entrants = [retrieval_board.Entrant(n, n, "f", [1, 2]) for n in ("alibi", "nope")]
     with pytest.raises(UsageError, match="answered different mqar examples at length 64"):

@@ -7,7 +7,7 @@ those the example's input shows), and the answers' log-probabilities, whose mean
 ``cross_entropy`` and ``fairseq-eval-lm`` give on the same examples.
 
 An example-scores file (``--example-scores``, ``.npz`` read with ``allow_pickle=False``) holds for each task
-and length each example's answers and how many of them were right (a few kilobytes: what the retrieval
+and length each example's answers and whole answers and how many of each were right (a few kilobytes: what the retrieval
 board's paired bootstrap over the examples needs), and in ``meta`` (JSON) what drew the examples, so that
 only scores of the same examples are ever paired."""
 
@@ -23,7 +23,7 @@ from kerple_fairseq.evaluation.loading import load_checkpoint_state
 from kerple_fairseq.tasks.retrieval import DICTIONARY_OPTIONS, NAME
 from kerple_fairseq.tasks.retrieval_sequences import answer_symbols, shown_answer_symbols, whole_answers
 
-FORMAT = "kerple-example-scores-1"
+FORMAT = "kerple-example-scores-2"
 #: more whole answers than any example holds: example i's whole answer w is numbered i * MAX_WHOLES + w
 MAX_WHOLES = 1 << 20
 
@@ -45,8 +45,15 @@ class Answers(NamedTuple):
 
     def per_example(self) -> "ExampleScores":
         examples, where = np.unique(self.example, return_inverse=True)
-        return ExampleScores(np.bincount(where, weights=self.correct, minlength=examples.size).astype(np.int64),
-                             np.bincount(where, minlength=examples.size).astype(np.int64))
+        wholes = Wholes.of(self)
+        whole_example = np.unique(self.whole[self.whole >= 0]) // MAX_WHOLES  # each whole answer's example
+        whole_where = np.searchsorted(examples, whole_example)
+
+        def count(at, weights=None):
+            return np.bincount(at, weights=weights, minlength=examples.size).astype(np.int64)
+
+        return ExampleScores(count(where, self.correct), count(where), count(whole_where, wholes.right),
+                             count(whole_where))
 
 
 class Wholes(NamedTuple):
@@ -76,6 +83,8 @@ class ExampleScores(NamedTuple):
 
     correct: np.ndarray  # int64: its right answers
     answers: np.ndarray  # int64: its answers
+    whole_correct: np.ndarray  # int64: its whole answers right
+    wholes: np.ndarray  # int64: its whole answers
 
 
 @torch.no_grad()

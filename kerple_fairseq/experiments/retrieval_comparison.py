@@ -24,7 +24,8 @@ from kerple_fairseq.experiments.finished_steps import Step, file_digest
 from kerple_fairseq.experiments.paths import SCRIPTS
 from kerple_fairseq.experiments.position_encodings import FAMILIES, POSITION_ENCODINGS
 from kerple_fairseq.experiments.run_cost import estimate, model_costs, recorded_seconds
-from kerple_fairseq.experiments.small_comparison import duration, hours, run, run_dir, stage, train, training_flags
+from kerple_fairseq.experiments.retrieval_training import train_to_criterion
+from kerple_fairseq.experiments.small_comparison import duration, hours, run, run_dir, stage, training_flags
 from kerple_fairseq.tasks.retrieval_sequences import TASKS, Settings
 
 Run = Tuple[str, int]
@@ -44,11 +45,15 @@ def task_flags(args: argparse.Namespace) -> List[str]:
 
 
 def training(args: argparse.Namespace, name: str, seed: int) -> Step:
-    """The training of model ``name`` with ``seed``: the perplexity board's model and optimiser, on the tasks."""
+    """The training of model ``name`` with ``seed``: the perplexity board's model and optimiser, on the tasks
+    mixed so that each gives the loss as many answers, until it learns them or reaches ``--updates``
+    (:mod:`retrieval_training`)."""
     save_dir = run_dir(args, name, seed)
-    task = [*task_flags(args), "--train-examples", args.updates * args.max_tokens // args.train_length]
+    task = [*task_flags(args), "--train-task-mix", "equal-loss",
+            "--train-examples", args.updates * args.max_tokens // args.train_length]
     flags = training_flags(args, name, seed, log_interval=250, task=task, sample_break_mode=None)
-    return Step(save_dir / "trained.json", {"fairseq-train": flags}, [save_dir / "checkpoint_last.pt"])
+    rule = {"check-every": args.check_every, "criterion": args.criterion, "check-examples": args.check_examples}
+    return Step(save_dir / "trained.json", {"fairseq-train": flags, "checks": rule}, [save_dir / "checkpoint_last.pt"])
 
 
 def evaluation(args: argparse.Namespace, name: str, seed: int, checkpoint: Path) -> Tuple[Step, List]:
@@ -78,7 +83,7 @@ def train_and_evaluate(args: argparse.Namespace, name: str, seed: int) -> float:
     if kept(args, name, seed):
         stage(f"{name}-seed{seed} is kept without its checkpoint, trained and evaluated so")
         return 0.0
-    checkpoint, seconds = train(args, None, training(args, name, seed), name, seed)
+    checkpoint, seconds = train_to_criterion(args, training(args, name, seed), task_flags(args), name, seed)
     step, options = evaluation(args, name, seed, checkpoint)
     if step.finished() is not None:
         stage(f"{name}-seed{seed} is evaluated so already")
