@@ -163,6 +163,7 @@ def test_fairseq_train_alone_refuses_as_among_others(train_error_runs, tmp_path)
 # --- the comparison --------------------------------------------------------------------------------------
 
 COMPARISON = str(REPO / "scripts" / "retrieval_comparison.py")
+TRAINING = re.compile(r"^\[[0-9:]+\] training ", re.MULTILINE)  # the comparison's line as a training starts
 
 
 def comparison(out, *more):
@@ -180,7 +181,7 @@ def test_the_comparison_goes_on_where_it_stopped_and_keeps_runs_without_checkpoi
     first = comparison(out)
     assert "cost:" in first.stdout and "retrieval board" in first.stdout.lower()
     # two stretches of 4 updates each, each checked; rotary+NTK is evaluated on rotary's checkpoint
-    assert first.stdout.count("training ") == 8 and first.stdout.count("updates 4 to 8 of at most 8") == 4
+    assert len(TRAINING.findall(first.stdout)) == 8 and first.stdout.count("updates 4 to 8 of at most 8") == 4
     assert first.stdout.count("not learned in 8 updates (the cap)") == 4
     trained = json.loads((out / "alibi-seed1" / "trained.json").read_text())
     assert [c["updates"] for c in trained["checks"]] == [4, 8] and trained["learned"] is False
@@ -191,7 +192,7 @@ def test_the_comparison_goes_on_where_it_stopped_and_keeps_runs_without_checkpoi
     for label in ("ALiBi", "rotary", "rotary+NTK"):
         assert f"| {label} |" in board
     again = comparison(out)
-    assert "training " not in again.stdout and "evaluating " not in again.stdout
+    assert not TRAINING.findall(again.stdout) and "evaluating " not in again.stdout
     assert (out / "retrieval-board.md").read_text() == board
     for path in out.glob("*/checkpoint_last.pt"):
         path.unlink()
@@ -231,7 +232,7 @@ def test_the_committed_board_is_what_its_runs_give(tmp_path):
         shutil.copytree(COMMITTED / name, out / name)
     models = [name[:-len("-seed1")] for name in runs]
     proc = run_forked(COMPARISON, ["--seeds", "1", "--models", *models, "--out", out], REPO)
-    assert "training " not in proc.stdout and "evaluating " not in proc.stdout
+    assert not TRAINING.findall(proc.stdout) and "evaluating " not in proc.stdout
     assert proc.stdout.count("kept without its checkpoint") == len(runs)
     for board in ("retrieval-board.md", "retrieval-board.csv"):
         assert (out / board).read_text() == (COMMITTED / board).read_text(), board

@@ -396,42 +396,70 @@ def test_accuracy_t_interval_is_the_delete_one_jackknife():
     assert np.allclose(boot, weights @ correct.T / (weights @ counts)[:, None])
 
 
-def board_of(accuracies, examples=200, seeds=(1, 2)):
+CHANCE = {"per_token": {"uniform": 0.01, "in_context": 0.02}, "whole": {"uniform": 0.01, "in_context": 0.02}}
+
+
+def board_of(accuracies, beyond=None, examples=200, seeds=(1, 2), criterion=0.4):
     """A board from example scores made to give each model ``accuracies[name]`` (by seed) on every example
-    pattern: each example has 4 answers."""
+    pattern, at 64 (the training length) and 128 (``beyond[name]`` there if given): each example has 4 whole
+    answers of one token, and the chance of a guess in context is 2%."""
     rng = np.random.default_rng(5)
 
     def scores_of(name, seed):
-        p = accuracies[name][seeds.index(seed)]
-        correct = rng.binomial(4, p, examples)
-        return {"seed": 1}, {("passkey", n): ExampleScores(correct, np.full(examples, 4), correct, np.full(examples, 4))
-                             for n in (64, 128)}
+        found = {}
+        for n in (64, 128):
+            p = (beyond or accuracies)[name][seeds.index(seed)] if n == 128 else accuracies[name][seeds.index(seed)]
+            correct = rng.binomial(4, p, examples)
+            found["passkey", n] = ExampleScores(correct, np.full(examples, 4), correct, np.full(examples, 4))
+        return {"seed": 1}, found
 
     entrants = [retrieval_board.Entrant(name, name.upper(), "additive bias", list(seeds)) for name in accuracies]
-    return retrieval_board.build(entrants, 64, scores_of, samples=2000)
+    chance = {("passkey", n): CHANCE for n in (64, 128)}
+    return retrieval_board.build(entrants, 64, scores_of, chance, criterion, samples=2000)
 
 
-def test_board_ranks_and_resolves():
+def test_board_ranks_the_models_that_learned_the_task_and_resolves():
     board = board_of({"alibi": [0.5, 0.5], "nope": [0.9, 0.9], "t5": [0.5, 0.52], "fire": [0.2, 0.6]})
     assert board.tasks == ["passkey"] and board.lengths == [64, 128] and board.beyond == [128]
-    ranks = board.ranks(lambda name: board.beyond_mean(name, "passkey"))
-    assert ranks["nope"] == 1 and ranks["alibi"] > 1
-    verdicts = {v.model: v.verdict for v in board.versus if v.length == 128}
-    assert verdicts["nope"] == retrieval_board.RESOLVED
-    assert verdicts["t5"] != retrieval_board.RESOLVED and verdicts["fire"] != retrieval_board.RESOLVED
-    table = retrieval_board.markdown(board, "passkey", {"nope": 25})
-    assert "| 1 | NOPE | additive bias |" in table and "▲" in table and "| 25 |" in table
+    ranks = board.ranks("passkey")
+    assert ranks["nope"] == 1 and ranks["alibi"] > 1 and "fire" not in ranks  # fire's first seed did not learn it
+    assert [e.name for e in board.in_order("passkey")][0] == "nope" and board.in_order("passkey")[-1].name == "fire"
+    verdicts = {v.model: v for v in board.versus if v.length == 128}
+    assert verdicts["nope"].verdict == retrieval_board.RESOLVED and board.marked(verdicts["nope"])
+    assert verdicts["t5"].verdict != retrieval_board.RESOLVED
+    assert retrieval_board.comparison_state(board, verdicts["fire"]) == "not compared: not learned at the training length"
+    table = retrieval_board.markdown(board, "passkey", {"nope": 25}, {"nope": "learned at 500"})
+    assert "| 1 | NOPE | additive bias |" in table and "▲" in table and "| 25 | learned at 500 |" in table
+    assert "| not learned | FIRE |" in table and "| | *guess among the symbols the input shows* | | 2.0 | 2.0 |" in table
     header, rows = retrieval_board.csv_rows(board)
     assert len(rows) == 4 * 2 and header[0] == "model"
 
 
-def test_board_refuses_scores_of_other_examples():
+def test_no_verdict_between_two_models_at_chance():
+    """Both learned the task at 64; at 128 one guesses (2%, the chance in context) and one is right less often
+    than that: a resolved difference, but not a verdict. The board's own at-chance test is by the binomial error
+    of the guess: two standard errors of 2% over 800 whole answers is 1 point."""
+    board = board_of({"alibi": [1.0, 1.0], "nope": [1.0, 1.0]}, beyond={"alibi": [0.02, 0.02], "nope": [0.0, 0.0]})
+    assert board.at_chance("alibi", "passkey", 128) and board.at_chance("nope", "passkey", 128)
+    assert not board.at_chance("alibi", "passkey", 64)
+    (v,) = [v for v in board.versus if v.length == 128]
+    assert v.verdict == retrieval_board.RESOLVED and not board.marked(v)
+    assert retrieval_board.comparison_state(board, v) == "not compared: both at chance"
+    assert "▼" not in retrieval_board.markdown(board, "passkey", {}, {})
+    above = board_of({"alibi": [1.0, 1.0], "nope": [1.0, 1.0]}, beyond={"alibi": [0.1, 0.1], "nope": [0.0, 0.0]})
+    (v,) = [v for v in above.versus if v.length == 128]
+    assert not above.at_chance("alibi", "passkey", 128) and above.marked(v)
+
+
+def test_board_refuses_scores_of_other_examples_and_needs_the_training_length():
     def scores_of(name, seed):
         return {"seed": seed if name == "nope" else 1}, {("mqar", 64): ExampleScores(*[np.ones(3)] * 4)}
 
     entrants = [retrieval_board.Entrant(n, n, "f", [1, 2]) for n in ("alibi", "nope")]
     with pytest.raises(UsageError, match="answered different mqar examples at length 64"):
-        retrieval_board.build(entrants, 64, scores_of, samples=100)
+        retrieval_board.build(entrants, 64, scores_of, {("mqar", 64): CHANCE}, 0.97, samples=100)
+    with pytest.raises(UsageError, match="not all evaluated at the training length 32"):
+        retrieval_board.build(entrants, 32, scores_of, {("mqar", 64): CHANCE}, 0.97, samples=100)
 
 
 def test_examples_are_drawn_from_the_four_numbers_alone():
@@ -443,18 +471,20 @@ def test_examples_are_drawn_from_the_four_numbers_alone():
         assert not np.array_equal(numbers, other.integers(0, 1 << 30, 4))
 
 
-def test_depth_table_pools_the_lengths_beyond_training_and_averages_the_seeds():
+def test_depth_table_is_one_length_and_averages_the_seeds():
     board = board_of({"alibi": [0.5, 0.5], "nope": [0.9, 0.9]})
 
-    def record(length, near, far):  # (accuracy, answers) at depths 1-64 and 65-128
+    def record(length, near, far):  # (whole-answer accuracy, whole answers) at depths 1-64 and 65-128
         return {"task": "passkey", "length": length, "depths": [
-            {"from": 1, "to": 64, "accuracy": near[0], "num_answers": near[1]},
-            {"from": 65, "to": 128, "accuracy": far[0], "num_answers": far[1]}]}
+            {"from": 1, "to": 64, "whole_accuracy": near[0], "num_whole": near[1]},
+            {"from": 65, "to": 128, "whole_accuracy": far[0], "num_whole": far[1]}]}
 
-    records = {("alibi", 1): [record(64, (1.0, 10), (0.0, 0)), record(128, (0.5, 10), (0.25, 4))],
-               ("alibi", 2): [record(128, (0.7, 10), (0.75, 4))],
-               ("nope", 1): [record(128, (1.0, 2), (1.0, 2))], ("nope", 2): [record(128, (0.0, 2), (0.5, 2))]}
-    table = retrieval_board.depth_markdown(board, "passkey", records)
-    assert table.splitlines()[0] == "| model | depth 1-64 | depth 65-128 |"
-    assert "| ALIBI | 60.0 | 50.0 |" in table  # the length at 64 left out; seeds 50 and 70, 25 and 75
-    assert "| NOPE | 50.0 | 75.0 |" in table
+    records = {("alibi", 1): [record(64, (1.0, 10), (None, 0)), record(128, (0.5, 10), (0.25, 4))],
+               ("alibi", 2): [record(64, (0.0, 10), (None, 0)), record(128, (0.7, 10), (0.75, 4))],
+               ("nope", 1): [record(64, (1.0, 10), (None, 0)), record(128, (1.0, 10), (1.0, 4))],
+               ("nope", 2): [record(64, (1.0, 10), (None, 0)), record(128, (0.0, 10), (0.5, 4))]}
+    table = retrieval_board.depth_markdown(board, "passkey", 128, records)
+    assert table.splitlines()[0] == "| model | depth 1-64 (10) | depth 65-128 (4) |"
+    assert "| ALIBI | 60.0 | 50.0 |" in table and "| NOPE | 50.0 | 75.0 |" in table  # 50 and 70, 25 and 75, ...
+    at_64 = retrieval_board.depth_markdown(board, "passkey", 64, records)
+    assert at_64.splitlines()[0] == "| model | depth 1-64 (10) |" and "| ALIBI | 50.0 |" in at_64

@@ -1,12 +1,16 @@
-"""The retrieval board: each model's accuracy on the retrieval tasks at every length, mean and sample standard
-deviation over its seeds, ranked, and compared with ALiBi seed by seed.
+"""The retrieval board: each model's whole-answer accuracy on the retrieval tasks at every length (its
+per-token accuracy beside it), mean and sample standard deviation over its seeds, ranked among the models that
+learned the task, and compared with ALiBi seed by seed.
 
-A model's rank in a task is by its mean accuracy over the lengths beyond the training length (2x to 32x:
-what it retrieves from farther back than it was trained on; 1 is the best, ties share it). Each seed's
-difference to ALiBi's run of the same seed (model - ALiBi, in accuracy) has the perplexity board's interval
+A model has *learned* a task when every seed's whole-answer accuracy at the training length reaches the
+criterion; only those are ranked, by their mean whole-answer accuracy over the lengths beyond the training length
+(2x to 32x: what they retrieve from farther back than they were trained on; 1 is the best, ties share it).
+The others are listed below them with their accuracy at the training length. Each seed's difference to ALiBi's
+run of the same seed (model - ALiBi, in whole-answer accuracy) has the perplexity board's interval
 (:class:`~kerple_fairseq.analysis.leaderboard.Versus`: a paired bootstrap over the examples, moved inward by
-its Monte-Carlo error, and a t-interval over them, the more conservative at each end); it is *resolved*
-when every seed has the same sign and an interval excluding zero."""
+its Monte-Carlo error, and a t-interval over them, the more conservative at each end); it is *resolved* when
+every seed has the same sign and an interval excluding zero, and marked only where both learned the task and
+at least one of them is above chance at that length (:meth:`RetrievalBoard.at_chance`)."""
 
 import hashlib
 import json
@@ -45,7 +49,11 @@ class RetrievalBoard:
     lengths: List[int]
     entrants: List[Entrant]
     confidence: float
+    criterion: float
+    chance: Dict[Tuple[str, int], dict]  # (task, length): a kerple-eval-lm record's chance levels
     accuracy: Dict[Tuple[str, str, int], List[float]] = field(default_factory=dict)  # (model, task, length): by seed
+    per_token: Dict[Tuple[str, str, int], List[float]] = field(default_factory=dict)  # the same, token by token
+    wholes: Dict[Tuple[str, int], int] = field(default_factory=dict)  # (task, length): whole answers of a run
     versus: List[Versus] = field(default_factory=list)  # each model but ALiBi against it (protocol: the task)
 
     @property
@@ -64,10 +72,33 @@ class RetrievalBoard:
         """The mean over the seeds of the mean accuracy over :attr:`beyond`."""
         return float(np.mean([self.mean(model, task, n) for n in self.beyond]))
 
-    def ranks(self, score: Callable[[str], float]) -> Dict[str, int]:
-        """1 for the highest ``score`` of a model; ties share the better rank."""
-        scores = {e.name: score(e.name) for e in self.entrants}
+    def learned(self, model: str, task: str) -> bool:
+        """Every seed's whole-answer accuracy at the training length reaches the criterion."""
+        return min(self.accuracy[model, task, self.train_length]) >= self.criterion
+
+    def at_chance(self, model: str, task: str, length: int) -> bool:
+        """No seed's whole-answer accuracy is above the chance of a guess among the symbols the input shows by
+        more than two binomial standard errors of that guess."""
+        chance, n = self.chance[task, length]["whole"]["in_context"], self.wholes[task, length]
+        return max(self.accuracy[model, task, length]) <= chance + 2 * math.sqrt(chance * (1 - chance) / n)
+
+    def ranks(self, task: str) -> Dict[str, int]:
+        """1 for the highest mean beyond the training length among the models that learned ``task``; ties share
+        the better rank. Models that did not learn it have no rank."""
+        scores = {e.name: self.beyond_mean(e.name, task) for e in self.entrants if self.learned(e.name, task)}
         return {name: 1 + sum(other > s for other in scores.values()) for name, s in scores.items()}
+
+    def in_order(self, task: str) -> List[Entrant]:
+        """The entrants by rank in ``task``, then those that did not learn it, best at the training length first."""
+        ranks = self.ranks(task)
+        return sorted(self.entrants, key=lambda e: (e.name not in ranks, ranks.get(e.name, 0),
+                                                    -self.mean(e.name, task, self.train_length)))
+
+    def marked(self, versus: Versus) -> bool:
+        """Whether a verdict against ALiBi means something: both learned the task, and not both at chance."""
+        task, length = versus.protocol, versus.length
+        return versus.verdict == RESOLVED and self.learned(versus.model, task) and self.learned(REFERENCE, task) \
+            and not (self.at_chance(versus.model, task, length) and self.at_chance(REFERENCE, task, length))
 
     def against(self, model: str, task: str, length: int) -> Optional[Versus]:
         return next((v for v in self.versus if (v.model, v.protocol, v.length) == (model, task, length)), None)
@@ -86,109 +117,146 @@ def check_same_examples(task: str, length: int, runs: Sequence[Run],
 
 def units(read: Dict[Run, Tuple[dict, Dict[Tuple[str, int], ExampleScores]]]) -> leaderboard.Scores:
     """The runs' example scores as the units of :func:`~kerple_fairseq.analysis.leaderboard.compared`: each
-    example's right answers summed where a perplexity's loss would be, its answers counted as its tokens."""
+    example's right whole answers summed where a perplexity's loss would be, its whole answers counted as its
+    tokens (examples without a whole answer left out)."""
     def of(name: str, seed: int) -> Dict[Tuple[str, int], SpanLosses]:
         meta, scores = read[name, seed]
         drawn = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
-        return {key: SpanLosses(s.correct.astype(np.float64), s.answers.astype(np.int64), drawn)
-                for key, s in scores.items()}
+        return {key: SpanLosses(s.whole_correct[s.wholes > 0].astype(np.float64),
+                                s.wholes[s.wholes > 0].astype(np.int64), drawn) for key, s in scores.items()}
     return of
 
 
-def build(entrants: Sequence[Entrant], train_length: int, scores_of: ScoresOf, bootstrap_seed: int = 1,
-          confidence: float = 0.95, samples: int = significance.BOARD_SAMPLES) -> RetrievalBoard:
+def build(entrants: Sequence[Entrant], train_length: int, scores_of: ScoresOf, chance: Dict[Tuple[str, int], dict],
+          criterion: float, bootstrap_seed: int = 1, confidence: float = 0.95,
+          samples: int = significance.BOARD_SAMPLES) -> RetrievalBoard:
     """The board of ``entrants`` (ALiBi among them for the comparisons), each run's example scores by
-    ``scores_of``: one paired bootstrap per task and length over every run."""
+    ``scores_of``, the chance levels of every task and length by ``chance`` (a kerple-eval-lm record's), the
+    training length among the lengths: one paired bootstrap per task and length over every run."""
     runs = [(e.name, seed) for e in entrants for seed in e.seeds]
     read = {run: scores_of(*run) for run in runs}
     keys = set.intersection(*(set(found) for _, found in read.values()))
     tasks = [task for task in TASKS if any(t == task for t, _ in keys)]
-    board = RetrievalBoard(train_length, tasks, sorted({n for _, n in keys}), list(entrants), confidence)
+    lengths = sorted({n for _, n in keys})
+    if train_length not in lengths:
+        raise UsageError(f"the runs were not all evaluated at the training length {train_length}: whether a model "
+                         "learned the tasks is read there")
+    board = RetrievalBoard(train_length, tasks, lengths, list(entrants), confidence, criterion, dict(chance))
     seeds_of = {e.name: e.seeds for e in entrants}
     pairs = [(e.name, REFERENCE, [s for s in e.seeds if s in seeds_of[REFERENCE]])
              for e in entrants if e.name != REFERENCE and REFERENCE in seeds_of]
     for task, length in sorted(keys):
         found = [(read[run][0], read[run][1][task, length]) for run in runs]
         check_same_examples(task, length, runs, found)
+        if not found[0][1].wholes.sum():
+            raise UsageError(f"{task} at length {length} holds no whole answer: evaluate a longer length")
+        board.wholes[task, length] = int(found[0][1].wholes.sum())
         for (name, seed), (_, s) in zip(runs, found):
-            board.accuracy.setdefault((name, task, length), []).append(float(s.correct.sum() / s.answers.sum()))
+            board.accuracy.setdefault((name, task, length), []).append(float(s.whole_correct.sum() / s.wholes.sum()))
+            board.per_token.setdefault((name, task, length), []).append(float(s.correct.sum() / s.answers.sum()))
         board.versus += leaderboard.compared([p for p in pairs if p[2]], task, length, units(read), samples,
                                              bootstrap_seed, confidence, significance.identity)
     return board
 
 
-def _percent(x: float) -> str:
-    return "" if math.isnan(x) else f"{100 * x:.1f}"
+def _percent(x: Optional[float]) -> str:
+    return "" if x is None or math.isnan(x) else f"{100 * x:.1f}"
+
+
+def _small_percent(x: float) -> str:
+    """A chance level in percent, with enough digits to tell it from zero."""
+    return f"{100 * x:.1f}" if 100 * x >= 0.1 else f"{100 * x:.1g}"
 
 
 def _cell(board: RetrievalBoard, name: str, task: str, length: int) -> str:
     mean, sd = board.mean(name, task, length), board.sd(name, task, length)
     v = board.against(name, task, length)
     mark = ""
-    if v is not None and v.verdict == RESOLVED:
+    if v is not None and board.marked(v):
         mark = " ▲" if v.difference[0] > 0 else " ▼"
-    return f"{_percent(mean)}{'' if math.isnan(sd) else ' ± ' + _percent(sd)}{mark}"
+    per_token = float(np.mean(board.per_token[name, task, length]))
+    return f"{_percent(mean)}{'' if math.isnan(sd) else ' ± ' + _percent(sd)}{mark} ({_percent(per_token)})"
 
 
-def markdown(board: RetrievalBoard, task: str, perplexity_rank: Dict[str, int]) -> str:
-    """A task's table: the models by rank, their accuracy (%) at every length, ▲/▼ where resolved above or below
-    ALiBi, and the perplexity board's rank of each (blank where it holds none)."""
-    ranks = board.ranks(lambda name: board.beyond_mean(name, task))
+def markdown(board: RetrievalBoard, task: str, perplexity_rank: Dict[str, int], training: Dict[str, str]) -> str:
+    """A task's table: the models that learned it by rank, then the others; their whole-answer accuracy (%) at
+    every length, per-token in brackets, ▲/▼ where resolved above or below ALiBi and meaningful
+    (:meth:`RetrievalBoard.marked`), the perplexity board's rank of each (blank where it holds none) and how its
+    training ended (``training``, by model); then the chance of a guess, whole, at every length."""
+    ranks = board.ranks(task)
     lines = ["| rank | model | family | " + " | ".join(f"L={n}" for n in board.lengths)
-             + f" | mean beyond L={board.train_length} | perplexity rank |",
-             "|" + "---|" * (len(board.lengths) + 5)]
-    for e in sorted(board.entrants, key=lambda e: ranks[e.name]):
+             + f" | mean beyond L={board.train_length} | perplexity rank | training |",
+             "|" + "---|" * (len(board.lengths) + 6)]
+    for e in board.in_order(task):
         cells = [_cell(board, e.name, task, n) for n in board.lengths]
-        lines.append(f"| {ranks[e.name]} | {e.label} | {e.family} | " + " | ".join(cells)
-                     + f" | {_percent(board.beyond_mean(e.name, task))} | {perplexity_rank.get(e.name, '')} |")
+        rank = ranks.get(e.name, "not learned")
+        beyond = _percent(board.beyond_mean(e.name, task)) if e.name in ranks else ""
+        lines.append(f"| {rank} | {e.label} | {e.family} | " + " | ".join(cells)
+                     + f" | {beyond} | {perplexity_rank.get(e.name, '')} | {training.get(e.name, '')} |")
+    for label, kind in (("guess among the symbols the input shows", "in_context"),
+                        ("guess among all answer symbols", "uniform")):
+        cells = [_small_percent(board.chance[task, n]["whole"][kind]) for n in board.lengths]
+        lines.append(f"| | *{label}* | | " + " | ".join(cells) + " | | | |")
     return "\n".join(lines)
 
 
+def comparison_state(board: RetrievalBoard, v: Versus) -> str:
+    """The verdict of ``v``, or why none is given."""
+    if not (board.learned(v.model, v.protocol) and board.learned(REFERENCE, v.protocol)):
+        return "not compared: not learned at the training length"
+    if board.at_chance(v.model, v.protocol, v.length) and board.at_chance(REFERENCE, v.protocol, v.length):
+        return "not compared: both at chance"
+    return v.verdict
+
+
 def seed_markdown(board: RetrievalBoard, task: str, length: int, labels: Dict[str, str]) -> str:
-    """Each model's difference to ALiBi at ``length``, seed by seed, in accuracy points, with its interval."""
+    """Each model's difference to ALiBi at ``length``, seed by seed, in whole-answer points, with its interval."""
     lines = ["| model | seeds | difference to ALiBi (points) | intervals | verdict |", "|---|---|---|---|---|"]
     for v in (v for v in board.versus if v.protocol == task and v.length == length):
         lines.append(f"| {labels[v.model]} | {', '.join(map(str, v.seeds))} | "
                      + ", ".join(f"{100 * d:+.1f}" for d in v.difference) + " | "
-                     + ", ".join(f"[{100 * lo:+.1f}, {100 * hi:+.1f}]" for lo, hi in v.interval) + f" | {v.verdict} |")
+                     + ", ".join(f"[{100 * lo:+.1f}, {100 * hi:+.1f}]" for lo, hi in v.interval)
+                     + f" | {comparison_state(board, v)} |")
     return "\n".join(lines)
 
 
 def csv_rows(board: RetrievalBoard) -> Tuple[List[str], List[list]]:
-    header = ["model", "label", "family", "task", "length", "mean", "sd", "seeds", "accuracy_by_seed", "rank",
-              "reference", "compared_seeds", "difference_by_seed", "interval_by_seed", "verdict", "units"]
+    header = ["model", "label", "family", "task", "length", "mean", "sd", "seeds", "accuracy_by_seed",
+              "per_token_mean", "per_token_by_seed", "learned", "at_chance", "chance_in_context", "chance_uniform",
+              "rank", "reference", "compared_seeds", "difference_by_seed", "interval_by_seed", "verdict", "units"]
     rows = []
     for task in board.tasks:
-        ranks = board.ranks(lambda name: board.beyond_mean(name, task))
+        ranks = board.ranks(task)
         for e in board.entrants:
             for n in board.lengths:
                 v = board.against(e.name, task, n)
+                chance = board.chance[task, n]["whole"]
                 rows.append([e.name, e.label, e.family, task, n, board.mean(e.name, task, n), board.sd(e.name, task, n),
                              ";".join(map(str, e.seeds)), ";".join(map(str, board.accuracy[e.name, task, n])),
-                             ranks[e.name], *(["", "", "", "", "", ""] if v is None else [
+                             float(np.mean(board.per_token[e.name, task, n])),
+                             ";".join(map(str, board.per_token[e.name, task, n])), board.learned(e.name, task),
+                             board.at_chance(e.name, task, n), chance["in_context"], chance["uniform"],
+                             ranks.get(e.name, ""), *(["", "", "", "", "", ""] if v is None else [
                                  v.reference, ";".join(map(str, v.seeds)), ";".join(map(str, v.difference)),
-                                 ";".join(f"{lo} {hi}" for lo, hi in v.interval), v.verdict, v.units])])
+                                 ";".join(f"{lo} {hi}" for lo, hi in v.interval), comparison_state(board, v),
+                                 v.units])])
     return header, rows
 
 
-def depth_markdown(board: RetrievalBoard, task: str, records: Dict[Run, List[dict]]) -> str:
-    """A task's accuracy (%) by the answer's depth, over the lengths beyond the training length pooled (from each
-    run's kerple-eval-lm records), mean over the seeds: how far back a model still finds the answer, apart
-    from how long its input is. Models in the order of :func:`markdown`."""
-    beyond = set(board.beyond)
-    bins = sorted({(d["from"], d["to"]) for rs in records.values() for r in rs
-                   if r["task"] == task and r["length"] in beyond for d in r["depths"]})
-    ranks = board.ranks(lambda name: board.beyond_mean(name, task))
-    lines = ["| model | " + " | ".join(f"depth {lo}-{hi}" for lo, hi in bins) + " |", "|" + "---|" * (len(bins) + 1)]
-    for e in sorted(board.entrants, key=lambda e: ranks[e.name]):
+def depth_markdown(board: RetrievalBoard, task: str, length: int, records: Dict[Run, List[dict]]) -> str:
+    """A task's whole-answer accuracy (%) at one ``length`` by the answer's depth (from each run's kerple-eval-lm
+    records), mean over the seeds, with the whole answers in each range: how far back a model still finds the
+    answer. Models in the order of :func:`markdown`."""
+    found = {run: next(r for r in rs if r["task"] == task and r["length"] == length) for run, rs in records.items()}
+    bins = sorted({(d["from"], d["to"]) for r in found.values() for d in r["depths"] if d["num_whole"]})
+    counts = {(d["from"], d["to"]): d["num_whole"] for r in found.values() for d in r["depths"]}
+    lines = ["| model | " + " | ".join(f"depth {lo}-{hi} ({counts[lo, hi]})" for lo, hi in bins) + " |",
+             "|" + "---|" * (len(bins) + 1)]
+    for e in board.in_order(task):
         cells = []
         for lo, hi in bins:
-            by_seed = []
-            for seed in e.seeds:
-                found = [(d["accuracy"] * d["num_answers"], d["num_answers"]) for r in records[e.name, seed]
-                         if r["task"] == task and r["length"] in beyond for d in r["depths"] if d["from"] == lo]
-                if found:
-                    by_seed.append(sum(c for c, _ in found) / sum(n for _, n in found))
+            by_seed = [d["whole_accuracy"] for seed in e.seeds for d in found[e.name, seed]["depths"]
+                       if d["from"] == lo and d["whole_accuracy"] is not None]
             cells.append(_percent(float(np.mean(by_seed))) if by_seed else "")
         lines.append(f"| {e.label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -26,7 +26,7 @@ from kerple_fairseq.experiments.position_encodings import FAMILIES, POSITION_ENC
 from kerple_fairseq.experiments.run_cost import estimate, model_costs, recorded_seconds
 from kerple_fairseq.experiments.retrieval_training import train_to_criterion
 from kerple_fairseq.experiments.small_comparison import duration, hours, run, run_dir, stage, training_flags
-from kerple_fairseq.tasks.retrieval_sequences import TASKS, Settings
+from kerple_fairseq.tasks.retrieval_sequences import COPY_SPAN, TASKS, Settings
 
 Run = Tuple[str, int]
 RESULTS, SCORES = "eval.json", "example-scores.npz"  # beside each run's records: what stands for it without its checkpoint
@@ -131,6 +131,16 @@ def evaluated(args: argparse.Namespace, runs: Sequence[Run]) -> List[Run]:
     return [r for r in runs if (run_dir(args, *r) / SCORES).is_file() and (run_dir(args, *r) / RESULTS).is_file()]
 
 
+def training_outcomes(args: argparse.Namespace, runs: Sequence[Run]) -> Dict[str, str]:
+    """How each model's trainings ended, by model: the updates where each seed learned the tasks, or where it
+    stopped without (from the runs' records)."""
+    said: Dict[str, List[str]] = {}
+    for name, seed in runs:
+        record = json.loads((run_dir(args, name, seed) / "trained.json").read_text())
+        said.setdefault(name, []).append(f"{record['updates']}" if record["learned"] else f"not in {record['updates']}")
+    return {name: "updates to learn: " + ", ".join(texts) for name, texts in said.items()}
+
+
 def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
     """The board of the evaluated ``runs`` in ``<out>/retrieval-board.{md,csv,png}``; its markdown."""
     seeds: Dict[str, List[int]] = {}
@@ -144,28 +154,43 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
     def scores_of(name: str, seed: int):
         return retrieval_accuracy.load(str(run_dir(args, name, seed) / SCORES))
 
-    board = retrieval_board.build(entrants, args.train_length, scores_of)
+    records = {r: json.loads((run_dir(args, *r) / RESULTS).read_text()) for r in evaluated(args, runs)}
+    chance = {(r["task"], r["length"]): r["chance"] for r in next(iter(records.values()))}
+    board = retrieval_board.build(entrants, args.train_length, scores_of, chance, args.criterion)
     ppl_rank, labels = perplexity_ranks(args.perplexity_board), {e.name: e.label for e in entrants}
+    training = training_outcomes(args, evaluated(args, runs))
     every = sorted({s for e in entrants for s in e.seeds})
     seconds = sum(sum(recorded_seconds(run_dir(args, *r)) or (0, 0)) for r in evaluated(args, runs))
+    shared = sorted({POSITION_ENCODINGS[e.name].architecture for e in entrants if POSITION_ENCODINGS[e.name].eval_flags})
     text = [f"# Retrieval board: {len(entrants)} position encodings, seed{'s' * (len(every) > 1)} "
             f"{', '.join(map(str, every))}", "",
-            f"Accuracy (%) of the answers, mean ± sample standard deviation over the seeds, {args.examples} validation "
-            f"examples of each task at each length; trained at L={args.train_length} on {', '.join(args.tasks)} in turn "
-            f"for {args.updates} updates of {args.max_tokens} tokens; {args.layers} layers, width {args.width}, "
-            f"{args.heads} heads. Ranked by the mean accuracy beyond L={args.train_length}. ▲/▼: resolved above or "
-            "below ALiBi (every seed's difference of the same sign and its 95% interval excluding zero: at each end "
-            f"the more conservative of a paired bootstrap's over the examples, {significance.BOARD_SAMPLES:,} "
-            "resamples moved inward by its Monte-Carlo error, and a t-interval over them). "
-            + (f"Perplexity rank: the model's rank at the longest length on {os.path.relpath(args.perplexity_board)} (early-token-cursed; "
-               "blank where it holds none). " if ppl_rank else "")
+            f"Whole-answer accuracy (%) (an MQAR value, the passkey's {SETTINGS.passkey_digits} digits together, a "
+            f"span of {COPY_SPAN} copied tokens), per-token accuracy in brackets, mean ± sample standard deviation "
+            f"over the seeds, {args.examples} validation examples of each task at each length. Trained at "
+            f"L={args.train_length} on {', '.join(args.tasks)}, mixed so that each gives the loss as many answers, "
+            f"until every task's whole answers reached {100 * args.criterion:g}% at L={args.train_length} on "
+            f"{args.check_examples} held-out test examples of each (checked every {args.check_every} updates of "
+            f"{args.max_tokens} tokens, at most {args.updates}); {args.layers} layer{'s' * (args.layers > 1)}, "
+            f"width {args.width}, "
+            f"{args.heads} heads. A model is ranked in a task only if every seed's whole answers reach "
+            f"{100 * args.criterion:g}% at L={args.train_length} on the validation examples, by its mean beyond "
+            f"L={args.train_length}; the others are listed below, unranked. "
+            + (f"Rows of one architecture evaluated differently ({', '.join(shared)}'s scalings and rules) are one "
+               "trained model per seed. " if shared else "")
+            + "▲/▼: resolved above or below ALiBi (every seed's difference of the same sign and its 95% interval "
+            f"excluding zero: at each end the more conservative of a paired bootstrap's over the examples, "
+            f"{significance.BOARD_SAMPLES:,} resamples moved inward by its Monte-Carlo error, and a t-interval over "
+            "them), marked only where both learned the task and not both are at chance (no seed above the guess "
+            "among the input's symbols by two standard errors of it). "
+            + (f"Perplexity rank: the model's rank at the longest length on {os.path.relpath(args.perplexity_board)} "
+               "(early-token-cursed; blank where it holds none). " if ppl_rank else "")
             + f"Training and evaluation took {duration(seconds)} in all on this machine."]
     for task in board.tasks:
-        text += ["", f"## {task}", "", retrieval_board.markdown(board, task, ppl_rank)]
-    records = {r: json.loads((run_dir(args, *r) / RESULTS).read_text()) for r in evaluated(args, runs)}
+        text += ["", f"## {task}", "", retrieval_board.markdown(board, task, ppl_rank, training)]
     for task in (t for t in board.tasks if t != "copy"):  # copying's depth is half the length
-        text += ["", f"## {task} by depth, lengths {min(board.beyond)} to {max(board.beyond)} pooled", "",
-                 retrieval_board.depth_markdown(board, task, records)]
+        for length in board.lengths:
+            text += ["", f"## {task} at L={length} by depth (whole answers in each range in brackets)", "",
+                     retrieval_board.depth_markdown(board, task, length, records)]
     for task in board.tasks:
         text += ["", f"## {task} at L={max(board.lengths)}, seed by seed", "",
                  retrieval_board.seed_markdown(board, task, max(board.lengths), labels)]
@@ -180,7 +205,7 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
     try:
         figures.leaderboard(curves, [f for f in FAMILIES if any(e.family == f for e in entrants)], board.tasks,
                             args.train_length, POSITION_ENCODINGS["alibi"].label, str(args.out / f"{BOARD}.png"),
-                            quantity="accuracy", log_quantity=False)
+                            quantity="whole-answer accuracy", log_quantity=False)
     except figures.PlotsUnavailable as e:
         stage(str(e))
     return markdown
