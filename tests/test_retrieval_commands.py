@@ -208,7 +208,8 @@ def test_runs_differ_only_in_their_position_encoding():
 
     from kerple_fairseq.experiments.retrieval_comparison import training
     args = argparse.Namespace(out=REPO / "runs" / "unused", tasks=list(TASKS), train_length=64, max_tokens=2048,
-                              updates=3000, layers=2, width=128, heads=4, kernel_parameterization="clamp")
+                              updates=12000, layers=2, width=128, heads=4, kernel_parameterization="clamp",
+                              check_every=500, criterion=0.97, check_examples=100)
     rest = set()
     for name, encoding in POSITION_ENCODINGS.items():
         flags = training(args, name, 1).key["fairseq-train"]
@@ -227,12 +228,47 @@ def test_the_committed_board_is_what_its_runs_give(tmp_path):
     import shutil
 
     out = tmp_path / "retrieval"
-    runs = sorted(p.name for p in COMMITTED.glob("*-seed1"))
+    runs = sorted(p.name for p in COMMITTED.glob("*-seed*"))
     for name in runs:
         shutil.copytree(COMMITTED / name, out / name)
-    models = [name[:-len("-seed1")] for name in runs]
-    proc = run_forked(COMPARISON, ["--seeds", "1", "--models", *models, "--out", out], REPO)
+    models = sorted({name.rpartition("-seed")[0] for name in runs})
+    seeds = sorted({name.rpartition("-seed")[2] for name in runs})
+    assert len(runs) == len(models) * len(seeds), "every model at every seed"
+    proc = run_forked(COMPARISON, ["--seeds", *seeds, "--models", *models, "--out", out], REPO)
     assert not TRAINING.findall(proc.stdout) and "evaluating " not in proc.stdout
     assert proc.stdout.count("kept without its checkpoint") == len(runs)
     for board in ("retrieval-board.md", "retrieval-board.csv"):
         assert (out / board).read_text() == (COMMITTED / board).read_text(), board
+
+
+def test_no_verdict_on_the_committed_board_depends_on_the_bootstrap_seed():
+    """The committed retrieval board rebuilt with 20 bootstrap seeds: every comparison's verdict, and whether it is
+    marked, the same under each."""
+    from functools import lru_cache
+
+    from kerple_fairseq.analysis import retrieval_board
+    from kerple_fairseq.evaluation import retrieval_accuracy
+
+    runs = sorted(p for p in COMMITTED.glob("*-seed*"))
+    seeds_of = {}
+    for path in runs:
+        name, _, seed = path.name.rpartition("-seed")
+        seeds_of.setdefault(name, []).append(int(seed))
+    entrants = [retrieval_board.Entrant(name, name, POSITION_ENCODINGS[name].family, sorted(seeds))
+                for name, seeds in seeds_of.items()]
+    records = json.loads((runs[0] / "eval.json").read_text())
+    chance = {(r["task"], r["length"]): r["chance"] for r in records}
+
+    @lru_cache(maxsize=None)
+    def scores_of(name, seed):
+        return retrieval_accuracy.load(str(COMMITTED / f"{name}-seed{seed}" / "example-scores.npz"))
+
+    found = {}
+    for bootstrap_seed in range(1, 21):
+        board = retrieval_board.build(entrants, records[0]["train_length"], scores_of, chance, 0.97,
+                                      bootstrap_seed=bootstrap_seed)
+        assert board.versus
+        for v in board.versus:
+            found.setdefault((v.model, v.protocol, v.length), set()).add((v.verdict, board.marked(v)))
+    changing = {key: states for key, states in found.items() if len(states) > 1}
+    assert not changing, changing
