@@ -164,8 +164,8 @@ def _percent(x: Optional[float]) -> str:
 
 
 def _small_percent(x: float) -> str:
-    """A chance level in percent, with enough digits to tell it from zero."""
-    return f"{100 * x:.1f}" if 100 * x >= 0.1 else f"{100 * x:.1g}"
+    """A chance level in percent: to a tenth, to a thousandth below 0.1, and "< 0.001" below that."""
+    return f"{100 * x:.1f}" if 100 * x >= 0.1 else f"{100 * x:.3f}" if 100 * x >= 0.001 else "< 0.001"
 
 
 def _cell(board: RetrievalBoard, name: str, task: str, length: int) -> str:
