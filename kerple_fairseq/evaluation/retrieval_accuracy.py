@@ -46,8 +46,7 @@ class Answers(NamedTuple):
     def per_example(self) -> "ExampleScores":
         examples, where = np.unique(self.example, return_inverse=True)
         wholes = Wholes.of(self)
-        whole_example = np.unique(self.whole[self.whole >= 0]) // MAX_WHOLES  # each whole answer's example
-        whole_where = np.searchsorted(examples, whole_example)
+        whole_where = np.searchsorted(examples, wholes.example)
 
         def count(at, weights=None):
             return np.bincount(at, weights=weights, minlength=examples.size).astype(np.int64)
@@ -59,6 +58,7 @@ class Answers(NamedTuple):
 class Wholes(NamedTuple):
     """Every whole answer of one task at one length (:func:`~kerple_fairseq.tasks.retrieval_sequences.whole_answers`)."""
 
+    example: np.ndarray  # int64: the example it belongs to
     right: np.ndarray  # bool: every token of it is right (greedy decoding after the true input gives it whole)
     depth: np.ndarray  # int64: the deepest of its tokens' depths
     uniform: np.ndarray  # float64: the chance of guessing it whole among all the symbols of its task's answers
@@ -74,7 +74,7 @@ class Wholes(NamedTuple):
 
         depth = np.zeros(ids.size, dtype=np.int64)
         np.maximum.at(depth, where, answers.depth[kept])
-        return cls(total(answers.correct) == total(np.ones_like(answers.depth)), depth,
+        return cls(ids // MAX_WHOLES, total(answers.correct) == total(np.ones_like(answers.depth)), depth,
                    np.exp(-total(np.log(answers.choices))), np.exp(-total(np.log(answers.shown))))
 
 
