@@ -40,16 +40,19 @@ SEQUENCES = ("--retrieval-seed", "1", "--retrieval-vocabulary", str(SETTINGS.voc
              "--passkey-digits", str(SETTINGS.passkey_digits))
 
 
+#: how the board's header says each ``--train-task-mix`` sets the training examples' tasks
+MIX_WORDS = {"equal-loss": "mixed so that each gives the loss as many answers", "turns": "in turn"}
+
+
 def task_flags(args: argparse.Namespace) -> List[str]:
     return ["--task", "retrieval", "--retrieval-tasks", ",".join(args.tasks), *SEQUENCES]
 
 
 def training(args: argparse.Namespace, name: str, seed: int) -> Step:
     """The training of model ``name`` with ``seed``: the perplexity board's model and optimiser, on the tasks
-    mixed so that each gives the loss as many answers, until it learns them or reaches ``--updates``
-    (:mod:`retrieval_training`)."""
+    mixed as ``--train-task-mix`` says, until it learns them or reaches ``--updates`` (:mod:`retrieval_training`)."""
     save_dir = run_dir(args, name, seed)
-    task = [*task_flags(args), "--train-task-mix", "equal-loss",
+    task = [*task_flags(args), "--train-task-mix", args.train_task_mix,
             "--train-examples", args.updates * args.max_tokens // args.train_length]
     flags = training_flags(args, name, seed, log_interval=250, task=task, sample_break_mode=None)
     rule = {"check-every": args.check_every, "criterion": args.criterion, "check-examples": args.check_examples}
@@ -167,7 +170,7 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
             f"Whole-answer accuracy (%) (an MQAR value, the passkey's {SETTINGS.passkey_digits} digits together, a "
             f"span of {COPY_SPAN} copied tokens), per-token accuracy in brackets, mean ± sample standard deviation "
             f"over the seeds, {args.examples} validation examples of each task at each length. Trained at "
-            f"L={args.train_length} on {', '.join(args.tasks)}, mixed so that each gives the loss as many answers, "
+            f"L={args.train_length} on {', '.join(args.tasks)}, {MIX_WORDS[args.train_task_mix]}, "
             f"until every task's whole answers reached {100 * args.criterion:g}% at L={args.train_length} on "
             f"{args.check_examples} held-out test examples of each (checked every {args.check_every} updates of "
             f"{args.max_tokens} tokens, at most {args.updates}); {args.layers} layer{'s' * (args.layers > 1)}, "
