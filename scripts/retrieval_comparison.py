@@ -10,6 +10,7 @@ what the runs left will cost once one has been made.
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -44,6 +45,10 @@ def parse_args(argv=None):
                    help="evaluation lengths (default: 1x, 2x, 4x ... 32x the training length)")
     p.add_argument("--examples", type=int, default=100, help="validation examples of each task at each length "
                    "(default: 100)")
+    p.add_argument("--map-examples", type=int, default=500, help="examples of MQAR and the passkey at each length "
+                   "for the depth map, through the depth bands in turn (default: 500, 100 a band)")
+    p.add_argument("--depth-bands", type=int, default=5, help="the depth map's bands of where a needle lies "
+                   "(default: 5)")
     p.add_argument("--updates", type=int, default=12000, help="the most training updates of a model: one that has "
                    "not learned the tasks by then is listed as not learned (default: 12000)")
     p.add_argument("--check-every", type=int, default=500, help="updates between two checks of whether a model has "
@@ -81,12 +86,13 @@ def main(argv=None):
     if args.eval_lengths is None:
         args.eval_lengths = [args.train_length * 2 ** k for k in range(6)]
     if any(n <= 0 for n in [args.train_length, args.updates, args.examples, args.max_tokens, args.check_every,
-                            args.check_examples, *args.eval_lengths]):
-        fail("--train-length, --eval-lengths, --examples, --updates, --check-every, --check-examples and --max-tokens "
-             "must be positive")
+                            args.check_examples, args.map_examples, args.depth_bands, *args.eval_lengths]):
+        fail("--train-length, --eval-lengths, --examples, --updates, --check-every, --check-examples, "
+             "--map-examples, --depth-bands and --max-tokens must be positive")
     if not 0.0 < args.criterion <= 1.0:
         fail(f"--criterion is a share of whole answers, above 0 and at most 1, got {args.criterion}")
-    shortest = max(SETTINGS.shortest(task) for task in args.tasks)
+    banded = replace(SETTINGS, depth_bands=args.depth_bands)  # the depth map's: room for a needle in every band
+    shortest = max(banded.shortest(task) for task in args.tasks)
     if min(args.train_length, *args.eval_lengths) < shortest:
         fail(f"--train-length and --eval-lengths must be {shortest} or more: the longest of these tasks' examples needs "
              "that many tokens")

@@ -171,11 +171,12 @@ def comparison(out, *more):
     trainings and evaluations it starts are processes of their own."""
     return run_forked(COMPARISON, ["--models", "alibi", "rotary", "rotary_ntk", "--seeds", "1", "2", "--updates", "8",
                                    "--check-every", "4", "--check-examples", "4",
-                                   "--train-length", "24", "--eval-lengths", "24", "48", "--examples", "10",
+                                   "--train-length", "28", "--eval-lengths", "28", "56", "--examples", "10",
+                                   "--map-examples", "10", "--depth-bands", "5",
                                    "--layers", "1", "--width", "32", "--heads", "2", "--out", out, *more], REPO)
 
 
-@pytest.mark.slow  # four trainings and six evaluations
+@pytest.mark.slow  # four trainings and twelve evaluations
 def test_the_comparison_goes_on_where_it_stopped_and_keeps_runs_without_checkpoints(tmp_path):
     out = tmp_path / "out"
     first = comparison(out)
@@ -188,19 +189,27 @@ def test_the_comparison_goes_on_where_it_stopped_and_keeps_runs_without_checkpoi
     assert set(trained["checks"][0]["whole_accuracy"]) == set(TASKS) and trained["updates"] == 8
     assert json.loads((out / "rotary_ntk-seed1" / "trained.json").read_text())["checks"] == \
         json.loads((out / "rotary-seed1" / "trained.json").read_text())["checks"]
-    board = (out / "retrieval-board.md").read_text()
+    board, depth_map = (out / "retrieval-board.md").read_text(), (out / "retrieval-depth-map.md").read_text()
     for label in ("ALiBi", "rotary", "rotary+NTK"):
-        assert f"| {label} |" in board
+        assert f"| {label} |" in board and f"**{label}**" in depth_map
+    assert first.stdout.count("for its depth map: mqar, passkey at lengths 28, 56") == 6
+    mapped = json.loads((out / "alibi-seed2" / "depth-map.json").read_text())
+    assert [(r["task"], r["length"]) for r in mapped] == [(t, n) for n in (28, 56) for t in ("mqar", "passkey")]
+    assert all([b["num_whole"] for b in r["depth_bands"]] == [8 if r["task"] == "mqar" else 2] * 5 for r in mapped)
+    assert "| length | 0-20% | 20-40% | 40-60% | 60-80% | 80-100% |" in depth_map
     again = comparison(out)
     assert not TRAINING.findall(again.stdout) and "evaluating " not in again.stdout
     assert (out / "retrieval-board.md").read_text() == board
+    assert (out / "retrieval-depth-map.md").read_text() == depth_map
     for path in out.glob("*/checkpoint_last.pt"):
         path.unlink()
     kept = comparison(out)
     assert kept.stdout.count("kept without its checkpoint") == 6
     assert (out / "retrieval-board.md").read_text() == board
-    records = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/eval.json")}
-    assert records["rotary_ntk-seed1"] != records["rotary-seed1"]  # scaled at 2x
+    assert (out / "retrieval-depth-map.md").read_text() == depth_map
+    for results in ("eval.json", "depth-map.json"):
+        records = {p.parent.name: json.loads(p.read_text()) for p in out.glob(f"*/{results}")}
+        assert records["rotary_ntk-seed1"] != records["rotary-seed1"]  # scaled at 2x
 
 
 def test_runs_differ_only_in_their_position_encoding():
@@ -237,8 +246,22 @@ def test_the_committed_board_is_what_its_runs_give(tmp_path):
     proc = run_forked(COMPARISON, ["--seeds", *seeds, "--models", *models, "--out", out], REPO)
     assert not TRAINING.findall(proc.stdout) and "evaluating " not in proc.stdout
     assert proc.stdout.count("kept without its checkpoint") == len(runs)
-    for board in ("retrieval-board.md", "retrieval-board.csv"):
+    for board in ("retrieval-board.md", "retrieval-board.csv", "retrieval-depth-map.md"):
         assert (out / board).read_text() == (COMMITTED / board).read_text(), board
+
+
+def test_every_cell_of_the_committed_depth_map_resolves_ten_points():
+    """Each cell (a task, a length, a depth band) holds enough whole answers for a seed's 95% interval to be
+    within 10 points, at every length and band of every committed run."""
+    from kerple_fairseq.analysis import retrieval_board
+
+    runs = sorted(COMMITTED.glob("*-seed*"))
+    records = {(path.name, 1): json.loads((path / "depth-map.json").read_text()) for path in runs}
+    entrants = [retrieval_board.Entrant(path.name, path.name, "", [1]) for path in runs]
+    for task in ("mqar", "passkey"):
+        depth_map = retrieval_board.DepthMap.of(task, entrants, records)
+        assert depth_map.lengths == [64 * 2 ** k for k in range(6)] and depth_map.bands == 5
+        assert depth_map.counts.min() >= 96 and depth_map.widest_interval() <= 10.0
 
 
 def test_no_verdict_on_the_committed_board_depends_on_the_bootstrap_seed():

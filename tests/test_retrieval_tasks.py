@@ -110,6 +110,39 @@ def test_passkey_depth_places_the_passkey():
     assert min(depths) < 80 and max(depths) > 180  # drawn over the whole example
 
 
+@pytest.mark.parametrize("length", [64, 256])
+def test_depth_bands_place_each_tasks_needles_in_turn(length):
+    """With ``--depth-bands 5`` the i-th example of each task has its needle (found from its tokens: the noise
+    before the first key, or before the passkey's marker) in the fifth ``i mod 5`` of the places it can be,
+    and the bands' places cover them all, each place drawn."""
+    bands, task = 5, retrieval_task(retrieval_tasks="mqar,passkey,copy", tokens_per_sample=length, depth_bands=5,
+                                    valid_examples=400)
+    data, alphabet = task.examples("valid"), task.alphabet
+    seen = {"mqar": set(), "passkey": set()}
+    for index in range(len(data)):
+        name, example = TASKS[index % 3], data.example(index)
+        if name == "copy":
+            assert example.band == -1
+            continue
+        noise = length - (2 * (8 + 4) if name == "mqar" else 2 * (5 + 1))
+        body = example.tokens[1:]
+        before = int(np.argmax((body < alphabet.filler) if name == "mqar" else (body == alphabet.markers + 3)))
+        assert example.band == index // 3 % bands == before * bands // (noise + 1)
+        seen[name].add(before)
+    if length == 64:  # 134 examples each over 41 and 53 places
+        assert seen == {"mqar": set(range(41)), "passkey": set(range(53))}
+    uniform = retrieval_task(retrieval_tasks="mqar,passkey", tokens_per_sample=length).examples("valid")
+    assert {uniform.example(i).band for i in range(6)} == {-1}
+
+
+def test_depth_bands_need_room_and_exclude_a_fixed_passkey_depth():
+    with pytest.raises(UsageError, match="too short for mqar: it needs 28 or more"):
+        retrieval_task(tokens_per_sample=27, depth_bands=5)
+    retrieval_task(tokens_per_sample=28, depth_bands=5)  # 28: 5 places of noise, one a band
+    with pytest.raises(UsageError, match="--passkey-depth and --depth-bands both place the passkey"):
+        retrieval_task(passkey_depth=0.5, depth_bands=5)
+
+
 def batches(task, split, epoch):
     iterator = task.get_batch_iterator(task.dataset(split), max_sentences=4, epoch=epoch)
     return iterator, [b["net_input"]["src_tokens"] for b in iterator.next_epoch_itr(shuffle=False)]
@@ -162,6 +195,7 @@ def test_an_equal_loss_mix_gives_every_task_as_many_answers():
     ({"mqar_queries": 9}, "--mqar-queries must be between 1 and --mqar-pairs (8)"),
     ({"passkey_digits": 0}, "--passkey-digits must be 1 or more"),
     ({"passkey_depth": 1.5}, "--passkey-depth must be between 0 (first) and 1 (last)"),
+    ({"depth_bands": -1}, "--depth-bands must be 0 (needles drawn uniformly) or more"),
     ({"tokens_per_sample": 20}, "--tokens-per-sample 20 is too short for mqar: it needs 24 or more"),
     ({"valid_examples": 0}, "--valid-examples must be 1 or more"),
 ])
@@ -342,8 +376,14 @@ def test_depth_bins_and_summary():
     M = retrieval_accuracy.MAX_WHOLES  # example 1's first whole answer
     answers = retrieval_accuracy.Answers(np.array([0, 0, 1, 1]), np.array([10, 100, 64, 65]),
                                          np.array([True, False, True, True]), np.log([0.5, 0.25, 1.0, 0.5]),
-                                         np.array([0, 1, M, M]), np.full(4, 10), np.array([2, 2, 4, 4]))
+                                         np.array([0, 1, M, M]), np.full(4, 10), np.array([2, 2, 4, 4]),
+                                         np.array([3, 3, 0, 0]))
     record = retrieval_accuracy.summary("mqar", 128, answers, 64)
+    assert record["depth_bands"] == [{"band": 0, "accuracy": 1.0, "num_answers": 2, "whole_accuracy": 1.0,
+                                      "num_whole": 1},
+                                     {"band": 3, "accuracy": 0.5, "num_answers": 2, "whole_accuracy": 0.5,
+                                      "num_whole": 2}]
+    assert "depth_bands" not in retrieval_accuracy.summary("mqar", 128, answers._replace(band=np.full(4, -1)), 64)
     assert record["accuracy"] == 0.75 and record["num_examples"] == 2
     assert record["whole_accuracy"] == 2 / 3 and record["num_whole"] == 3
     assert record["loss"] == pytest.approx((1 + 2 + 0 + 1) / 4)
@@ -471,20 +511,26 @@ def test_examples_are_drawn_from_the_four_numbers_alone():
         assert not np.array_equal(numbers, other.integers(0, 1 << 30, 4))
 
 
-def test_depth_table_is_one_length_and_averages_the_seeds():
-    board = board_of({"alibi": [0.5, 0.5], "nope": [0.9, 0.9]})
+def test_depth_map_is_one_length_a_row_and_averages_the_seeds():
+    entrants = [retrieval_board.Entrant(name, name.upper(), "", [1, 2]) for name in ("alibi", "nope")]
 
-    def record(length, near, far):  # (whole-answer accuracy, whole answers) at depths 1-64 and 65-128
-        return {"task": "passkey", "length": length, "depths": [
-            {"from": 1, "to": 64, "whole_accuracy": near[0], "num_whole": near[1]},
-            {"from": 65, "to": 128, "whole_accuracy": far[0], "num_whole": far[1]}]}
+    def record(length, band_0, band_1):  # (whole-answer accuracy, whole answers) in bands 0 and 1
+        return {"task": "passkey", "length": length, "depth_bands": [
+            {"band": 0, "whole_accuracy": band_0[0], "num_whole": band_0[1]},
+            {"band": 1, "whole_accuracy": band_1[0], "num_whole": band_1[1]}]}
 
-    records = {("alibi", 1): [record(64, (1.0, 10), (None, 0)), record(128, (0.5, 10), (0.25, 4))],
-               ("alibi", 2): [record(64, (0.0, 10), (None, 0)), record(128, (0.7, 10), (0.75, 4))],
-               ("nope", 1): [record(64, (1.0, 10), (None, 0)), record(128, (1.0, 10), (1.0, 4))],
-               ("nope", 2): [record(64, (1.0, 10), (None, 0)), record(128, (0.0, 10), (0.5, 4))]}
-    table = retrieval_board.depth_markdown(board, "passkey", 128, records)
-    assert table.splitlines()[0] == "| model | depth 1-64 (10) | depth 65-128 (4) |"
-    assert "| ALIBI | 60.0 | 50.0 |" in table and "| NOPE | 50.0 | 75.0 |" in table  # 50 and 70, 25 and 75, ...
-    at_64 = retrieval_board.depth_markdown(board, "passkey", 64, records)
-    assert at_64.splitlines()[0] == "| model | depth 1-64 (10) |" and "| ALIBI | 50.0 |" in at_64
+    records = {("alibi", 1): [record(64, (1.0, 10), (0.5, 12)), record(128, (0.5, 10), (0.25, 12))],
+               ("alibi", 2): [record(64, (0.0, 10), (0.5, 12)), record(128, (0.7, 10), (0.75, 12))],
+               ("nope", 1): [record(64, (1.0, 10), (1.0, 12)), record(128, (1.0, 10), (1.0, 12))],
+               ("nope", 2): [record(64, (1.0, 10), (0.0, 12)), record(128, (0.0, 10), (0.5, 12))]}
+    depth_map = retrieval_board.DepthMap.of("passkey", entrants, records)
+    assert depth_map.counts.tolist() == [[10, 12], [10, 12]]
+    assert depth_map.widest_interval() == pytest.approx(100 * 1.96 * 0.5 / 10 ** 0.5)
+    table = retrieval_board.depth_map_markdown(depth_map, entrants)
+    assert retrieval_board.band_names(2) == ["0-50%", "50-100%"]
+    assert "**ALIBI**\n\n| length | 0-50% | 50-100% |\n|---|---|---|\n| 64 | 50 | 50 |\n| 128 | 60 | 50 |" in table
+    assert "**NOPE**\n\n| length | 0-50% | 50-100% |\n|---|---|---|\n| 64 | 100 | 50 |\n| 128 | 50 | 75 |" in table
+    records["nope", 2][1]["depth_bands"][1]["num_whole"] = 11  # other examples
+    with pytest.raises(UsageError, match="made with other lengths, bands or examples"):
+        retrieval_board.DepthMap.of("passkey", entrants, records)
+

@@ -157,6 +157,28 @@ def attention_by_distance(panels: List[Tuple[str, np.ndarray, List[str]]], lengt
     _save(fig, path)
 
 
+def depth_map(rows: List[Tuple[str, List[np.ndarray]]], tasks: Sequence[str], lengths: Sequence[int],
+              bands: Sequence[str], path: str) -> None:
+    """A needle-in-a-haystack map a model (row) and task (column): accuracy (%) by length and depth band."""
+    plt = pyplot()
+    fig, axes = plt.subplots(len(rows), len(tasks), figsize=(3.2 * len(tasks) + 1, 1.9 * len(rows) + 0.6),
+                             squeeze=False)
+    for (label, maps), row in zip(rows, axes):
+        for ax, task, values in zip(row, tasks, maps):
+            image = ax.imshow(100 * values, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+            for (i, j), v in np.ndenumerate(100 * values):
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=6)
+            ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=6)
+            ax.set_xticks(range(len(bands)), bands, fontsize=6)
+            ax.set_title(f"{label}: {task}", fontsize=8)
+    for ax in axes[-1]:
+        ax.set_xlabel("needle's depth band (0%: the input's start)", fontsize=7)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("length", fontsize=7)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="whole-answer accuracy (%)")
+    _save(fig, path)
+
+
 def extrapolation(series: List[Tuple[str, str, Sequence[int], Sequence[float], Sequence[float], Sequence[float]]],
                   protocols: Sequence[str], train_lengths: Sequence[int], path: str) -> None:
     """Perplexity against evaluation length (log axis), one panel per protocol, one line per model

@@ -243,20 +243,49 @@ def csv_rows(board: RetrievalBoard) -> Tuple[List[str], List[list]]:
     return header, rows
 
 
-def depth_markdown(board: RetrievalBoard, task: str, length: int, records: Dict[Run, List[dict]]) -> str:
-    """A task's whole-answer accuracy (%) at one ``length`` by the answer's depth (from each run's kerple-eval-lm
-    records), mean over the seeds, with the whole answers in each range: how far back a model still finds the
-    answer. Models in the order of :func:`markdown`."""
-    found = {run: next(r for r in rs if r["task"] == task and r["length"] == length) for run, rs in records.items()}
-    bins = sorted({(d["from"], d["to"]) for r in found.values() for d in r["depths"] if d["num_whole"]})
-    counts = {(d["from"], d["to"]): d["num_whole"] for r in found.values() for d in r["depths"]}
-    lines = ["| model | " + " | ".join(f"depth {lo}-{hi} ({counts[lo, hi]})" for lo, hi in bins) + " |",
-             "|" + "---|" * (len(bins) + 1)]
-    for e in board.in_order(task):
-        cells = []
-        for lo, hi in bins:
-            by_seed = [d["whole_accuracy"] for seed in e.seeds for d in found[e.name, seed]["depths"]
-                       if d["from"] == lo and d["whole_accuracy"] is not None]
-            cells.append(_percent(float(np.mean(by_seed))) if by_seed else "")
-        lines.append(f"| {e.label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+def band_names(bands: int) -> List[str]:
+    """Depth bands as shares of where a needle can be: ``0-20%`` (the start of the input) .. ``80-100%``."""
+    return [f"{100 * k // bands}-{100 * (k + 1) // bands}%" for k in range(bands)]
+
+
+@dataclass
+class DepthMap:
+    """A task's whole-answer accuracy by length and the depth band of its needle (kerple-eval-lm's records with
+    ``--depth-bands``), by model (in ``entrants``' order) and seed."""
+
+    task: str
+    lengths: List[int]
+    bands: int
+    accuracy: Dict[str, np.ndarray]  # model: seeds x lengths x bands, whole-answer accuracy in [0, 1]
+    counts: np.ndarray  # every run's whole answers in each cell, lengths x bands (the same examples for every run)
+
+    @classmethod
+    def of(cls, task: str, entrants: Sequence[Entrant], records: Dict[Run, List[dict]]) -> "DepthMap":
+        found = {run: {r["length"]: r["depth_bands"] for r in rs if r["task"] == task} for run, rs in records.items()}
+        lengths = sorted(next(iter(found.values())))
+        bands = len(next(iter(found.values()))[lengths[0]])
+        counts = {tuple(tuple(b["num_whole"] for b in by_length[n]) for n in lengths) for by_length in found.values()}
+        if len(counts) != 1 or any(sorted(by_length) != lengths for by_length in found.values()):
+            raise UsageError(f"the depth maps of {task} were made with other lengths, bands or examples: make them "
+                             "again with the same options")
+        accuracy = {e.name: np.array([[[b["whole_accuracy"] for b in found[e.name, seed][n]] for n in lengths]
+                                      for seed in e.seeds], dtype=np.float64) for e in entrants}
+        return cls(task, lengths, bands, accuracy, np.array(counts.pop()))
+
+    def widest_interval(self) -> float:
+        """The half-width (points) of the widest normal 95% interval of a cell's accuracy, a seed alone: that
+        of an accuracy of one half over the smallest cell."""
+        return 100 * 1.96 * 0.5 / math.sqrt(int(self.counts.min()))
+
+
+def depth_map_markdown(depth_map: DepthMap, entrants: Sequence[Entrant]) -> str:
+    """A table per model: its whole-answer accuracy (%, mean over its seeds) at each length (rows) with the
+    needle in each depth band (columns); nothing pooled over lengths."""
+    names = band_names(depth_map.bands)
+    text = []
+    for e in entrants:
+        mean = depth_map.accuracy[e.name].mean(axis=0)
+        text += [f"**{e.label}**", "", "| length | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 1)]
+        text += [f"| {n} | " + " | ".join(f"{100 * a:.0f}" for a in row) + " |" for n, row in zip(depth_map.lengths, mean)]
+        text.append("")
+    return "\n".join(text).rstrip("\n")

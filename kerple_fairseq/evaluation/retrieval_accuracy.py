@@ -1,8 +1,8 @@
 """Accuracy on the retrieval tasks (:mod:`kerple_fairseq.tasks.retrieval`): each answer is right when the
 model's most probable next token is it, and a whole answer (an MQAR value, the passkey's digits, a copied
 span) when each of its tokens is: what greedy decoding after the true input would give whole.
-``kerple-eval-lm --task retrieval`` reports both for every task and length, overall and by depth (how far
-back the answer's source lies), the chance of a guess (among all of the task's answer symbols, and among
+``kerple-eval-lm --task retrieval`` reports both for every task and length, overall, by depth (how far
+back the answer's source lies) and, with ``--depth-bands``, by the band its needle was placed in, the chance of a guess (among all of the task's answer symbols, and among
 those the example's input shows), and the answers' log-probabilities, whose mean is the loss fairseq's
 ``cross_entropy`` and ``fairseq-eval-lm`` give on the same examples.
 
@@ -38,6 +38,7 @@ class Answers(NamedTuple):
     whole: np.ndarray  # int64: the whole answer it is part of (numbered across the examples), -1 for none
     choices: np.ndarray  # int64: the symbols an answer of its task is drawn from
     shown: np.ndarray  # int64: how many of them its example's input shows before the first answer
+    band: np.ndarray  # int64: the depth band of its example's needle, -1 for none
 
     @classmethod
     def concatenate(cls, parts: Sequence["Answers"]) -> "Answers":
@@ -63,6 +64,7 @@ class Wholes(NamedTuple):
     depth: np.ndarray  # int64: the deepest of its tokens' depths
     uniform: np.ndarray  # float64: the chance of guessing it whole among all the symbols of its task's answers
     in_context: np.ndarray  # float64: ... among the symbols its example's input shows (a guess in context)
+    band: np.ndarray  # int64: the depth band of its example's needle, -1 for none
 
     @classmethod
     def of(cls, answers: Answers) -> "Wholes":
@@ -74,8 +76,10 @@ class Wholes(NamedTuple):
 
         depth = np.zeros(ids.size, dtype=np.int64)
         np.maximum.at(depth, where, answers.depth[kept])
+        band = np.full(ids.size, -1, dtype=np.int64)
+        band[where] = answers.band[kept]
         return cls(ids // MAX_WHOLES, total(answers.correct) == total(np.ones_like(answers.depth)), depth,
-                   np.exp(-total(np.log(answers.choices))), np.exp(-total(np.log(answers.shown))))
+                   np.exp(-total(np.log(answers.choices))), np.exp(-total(np.log(answers.shown))), band)
 
 
 class ExampleScores(NamedTuple):
@@ -114,7 +118,8 @@ def score(model, dataset, device, max_tokens: int) -> Answers:
             np.concatenate([np.full(n, len(answer_symbols(t, dataset.settings, dataset.alphabet)))
                             for t, n in zip(tasks, counts)]),
             np.concatenate([np.full(n, shown_answer_symbols(t, dataset.settings, dataset.alphabet, e))
-                            for t, n, e in zip(tasks, counts, examples)])))
+                            for t, n, e in zip(tasks, counts, examples)]),
+            np.concatenate([np.full(n, e.band) for n, e in zip(counts, examples)])))
     return Answers.concatenate(parts)
 
 
@@ -146,7 +151,7 @@ def _mean(values: np.ndarray) -> Optional[float]:
 
 def summary(task: str, length: int, answers: Answers, train_length: int) -> Dict:
     """A results record: accuracy and base-2 loss of the answers, the accuracy of the whole answers (None
-    where the length holds none), both in each depth range, and the chance of a guess, token by token and
+    where the length holds none), both in each depth range and in each depth band of a needle, and the chance of a guess, token by token and
     whole, among all of the task's answer symbols and among those the input shows."""
     if answers.correct.size == 0:
         raise UsageError(f"{task} at length {length} has no answers")
@@ -159,6 +164,10 @@ def summary(task: str, length: int, answers: Answers, train_length: int) -> Dict
             depths.append({"from": lo, "to": hi, "accuracy": float(answers.correct[inside].mean()),
                            "num_answers": int(inside.sum()), "whole_accuracy": _mean(wholes.right[whole_inside]),
                            "num_whole": int(whole_inside.sum())})
+    bands = [{"band": int(band), "accuracy": float(answers.correct[answers.band == band].mean()),
+              "num_answers": int((answers.band == band).sum()),
+              "whole_accuracy": _mean(wholes.right[wholes.band == band]), "num_whole": int((wholes.band == band).sum())}
+             for band in np.unique(answers.band[answers.band >= 0])]
     chance = {"per_token": {"uniform": float(np.mean(1.0 / answers.choices)),
                             "in_context": float(np.mean(1.0 / answers.shown))},
               "whole": {"uniform": _mean(wholes.uniform), "in_context": _mean(wholes.in_context)}}
@@ -166,7 +175,7 @@ def summary(task: str, length: int, answers: Answers, train_length: int) -> Dict
             "whole_accuracy": _mean(wholes.right), "loss": float(-answers.log_prob.mean() / math.log(2)),
             "num_answers": int(answers.correct.size), "num_whole": int(wholes.right.size),
             "num_examples": int(np.unique(answers.example).size), "train_length": train_length, "chance": chance,
-            "depths": depths}
+            "depths": depths, **({"depth_bands": bands} if bands else {})}
 
 
 def save(path: str, meta: Dict, scores: Dict[Tuple[str, int], ExampleScores]) -> None:

@@ -1,7 +1,8 @@
 """The retrieval comparison on CPU: the perplexity board's position encodings, trained alike on the retrieval
 tasks (:mod:`kerple_fairseq.tasks.retrieval`) at one length, their answers' accuracy measured from 1x to 32x
-that length by ``kerple-eval-lm --task retrieval``, and the retrieval board
-(:mod:`~kerple_fairseq.analysis.retrieval_board`) written in ``--out``. Every training and evaluation is
+that length by ``kerple-eval-lm --task retrieval``, again on examples whose needles go through fixed depth
+bands, and the retrieval board (:mod:`~kerple_fairseq.analysis.retrieval_board`) and its depth map written in
+``--out``. Every training and evaluation is
 recorded (:mod:`finished_steps`): the same command after an interruption goes on where it stopped, and a run
 kept with its records, results and example scores stands for itself without its checkpoint."""
 
@@ -23,14 +24,17 @@ from kerple_fairseq.experiments.comparison import EVALUATION_RECORD
 from kerple_fairseq.experiments.finished_steps import Step, file_digest
 from kerple_fairseq.experiments.paths import SCRIPTS
 from kerple_fairseq.experiments.position_encodings import FAMILIES, POSITION_ENCODINGS
-from kerple_fairseq.experiments.run_cost import estimate, model_costs, recorded_seconds
+from kerple_fairseq.experiments.run_cost import FURTHER_EVALUATION, estimate, model_costs, recorded_seconds
 from kerple_fairseq.experiments.retrieval_training import train_to_criterion
 from kerple_fairseq.experiments.small_comparison import duration, hours, run, run_dir, stage, training_flags
 from kerple_fairseq.tasks.retrieval_sequences import COPY_SPAN, TASKS, Settings
 
 Run = Tuple[str, int]
 RESULTS, SCORES = "eval.json", "example-scores.npz"  # beside each run's records: what stands for it without its checkpoint
-BOARD = "retrieval-board"
+BOARD, DEPTH_MAP = "retrieval-board", "retrieval-depth-map"
+#: the depth map's results and record beside each run's; its tasks, those with a needle (copying's source is
+#: always half the example back)
+MAP_RESULTS, MAP_RECORD, MAP_TASKS = "depth-map.json", FURTHER_EVALUATION, ("mqar", "passkey")
 
 
 #: the examples' settings (the task's defaults), given in full so that the runs' records name them
@@ -59,18 +63,36 @@ def training(args: argparse.Namespace, name: str, seed: int) -> Step:
     return Step(save_dir / "trained.json", {"fairseq-train": flags, "checks": rule}, [save_dir / "checkpoint_last.pt"])
 
 
-def evaluation(args: argparse.Namespace, name: str, seed: int, checkpoint: Path) -> Tuple[Step, List]:
-    """The evaluation of ``checkpoint``: its step (paths named within the run's directory) and its options."""
+def map_tasks(args: argparse.Namespace) -> List[str]:
+    return [task for task in args.tasks if task in MAP_TASKS]
+
+
+def evaluation(args: argparse.Namespace, name: str, seed: int, checkpoint: Path,
+               depth_map: bool = False) -> Tuple[Step, List]:
+    """The evaluation of ``checkpoint`` for the board, or for the depth map (``--map-examples`` of each task with
+    a needle, placed in ``--depth-bands`` in turn): its step (paths named within the run's directory) and its
+    options."""
     directory = checkpoint.parent
-    options = [*task_flags(args), "--valid-examples", args.examples, "--path", checkpoint, "--gen-subset", "valid",
-               "--lengths", *args.eval_lengths, "--max-tokens", 16384, "--cpu", "--no-progress-bar",
-               "--results-json", directory / RESULTS, "--example-scores", directory / SCORES,
-               *POSITION_ENCODINGS[name].eval_flags]
+    if depth_map:
+        examples = ["--task", "retrieval", "--retrieval-tasks", ",".join(map_tasks(args)), *SEQUENCES,
+                    "--depth-bands", args.depth_bands, "--valid-examples", args.map_examples]
+        record, outputs = MAP_RECORD, [directory / MAP_RESULTS]
+    else:
+        examples = [*task_flags(args), "--valid-examples", args.examples]
+        record, outputs = EVALUATION_RECORD, [directory / RESULTS, directory / SCORES]
+    options = [*examples, "--path", checkpoint, "--gen-subset", "valid", "--lengths", *args.eval_lengths,
+               "--max-tokens", 16384, "--cpu", "--no-progress-bar", "--results-json", outputs[0],
+               *(["--example-scores", outputs[1]] if len(outputs) > 1 else []), *POSITION_ENCODINGS[name].eval_flags]
     portable = [o.name if isinstance(o, Path) and o.parent == directory else str(o) for o in options]
-    step = Step(directory / EVALUATION_RECORD,
+    step = Step(directory / record,
                 {"kerple-eval-lm": portable, "checkpoint": file_digest(checkpoint) if checkpoint.is_file() else None},
-                [directory / RESULTS, directory / SCORES])
+                outputs)
     return step, options
+
+
+def evaluations(args: argparse.Namespace) -> List[bool]:
+    """Whether each evaluation of a run is the depth map's: the board's, then the map's where a task has a needle."""
+    return [False, True] if map_tasks(args) else [False]
 
 
 def kept(args: argparse.Namespace, name: str, seed: int) -> bool:
@@ -78,7 +100,8 @@ def kept(args: argparse.Namespace, name: str, seed: int) -> bool:
     step = training(args, name, seed)
     if step.outputs[0].is_file() or Step(step.record, step.key, []).finished() is None:
         return False
-    return evaluation(args, name, seed, step.outputs[0])[0].finished(unchecked=("checkpoint",)) is not None
+    return all(evaluation(args, name, seed, step.outputs[0], depth_map)[0].finished(unchecked=("checkpoint",))
+               is not None for depth_map in evaluations(args))
 
 
 def train_and_evaluate(args: argparse.Namespace, name: str, seed: int) -> float:
@@ -87,17 +110,21 @@ def train_and_evaluate(args: argparse.Namespace, name: str, seed: int) -> float:
         stage(f"{name}-seed{seed} is kept without its checkpoint, trained and evaluated so")
         return 0.0
     checkpoint, seconds = train_to_criterion(args, training(args, name, seed), task_flags(args), name, seed)
-    step, options = evaluation(args, name, seed, checkpoint)
-    if step.finished() is not None:
-        stage(f"{name}-seed{seed} is evaluated so already")
-        return seconds
-    stage(f"evaluating {name}-seed{seed}: {', '.join(args.tasks)} at lengths {', '.join(map(str, args.eval_lengths))}")
-    step.forget()
-    started = time.time()
-    run([sys.executable, SCRIPTS / "eval_lm.py", *options],
-        show=lambda line: line.split(" ", 1)[0] in TASKS)
-    step.complete(time.time() - started)
-    return seconds + time.time() - started
+    for depth_map in evaluations(args):
+        step, options = evaluation(args, name, seed, checkpoint, depth_map)
+        what = "its depth map" if depth_map else "the board"
+        if step.finished() is not None:
+            stage(f"{name}-seed{seed} is evaluated for {what} so already")
+            continue
+        tasks = map_tasks(args) if depth_map else args.tasks
+        stage(f"evaluating {name}-seed{seed} for {what}: {', '.join(tasks)} at lengths "
+              f"{', '.join(map(str, args.eval_lengths))}")
+        step.forget()
+        started = time.time()
+        run([sys.executable, SCRIPTS / "eval_lm.py", *options], show=lambda line: line.split(" ", 1)[0] in TASKS)
+        step.complete(time.time() - started)
+        seconds += time.time() - started
+    return seconds
 
 
 def say_cost(args: argparse.Namespace, runs: Sequence[Run]) -> None:
@@ -190,13 +217,12 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
             + f"Training and evaluation took {duration(seconds)} in all on this machine."]
     for task in board.tasks:
         text += ["", f"## {task}", "", retrieval_board.markdown(board, task, ppl_rank, training)]
-    for task in (t for t in board.tasks if t != "copy"):  # copying's depth is half the length
-        for length in board.lengths:
-            text += ["", f"## {task} at L={length} by depth (whole answers in each range in brackets)", "",
-                     retrieval_board.depth_markdown(board, task, length, records)]
     for task in board.tasks:
         text += ["", f"## {task} at L={max(board.lengths)}, seed by seed", "",
                  retrieval_board.seed_markdown(board, task, max(board.lengths), labels)]
+    if map_tasks(args):
+        text += ["", f"Accuracy by length and the depth of the needle: {DEPTH_MAP}.md (.png)."]
+        write_depth_map(args, entrants)
     markdown = "\n".join(text) + "\n"
     write_text(str(args.out / f"{BOARD}.md"), markdown)
     write_csv(str(args.out / f"{BOARD}.csv"), *retrieval_board.csv_rows(board))
@@ -214,6 +240,34 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
     return markdown
 
 
+def write_depth_map(args: argparse.Namespace, entrants: Sequence[retrieval_board.Entrant]) -> None:
+    """The depth map of the ``entrants``' runs in ``<out>/retrieval-depth-map.{md,png}``."""
+    records = {(e.name, seed): json.loads((run_dir(args, e.name, seed) / MAP_RESULTS).read_text())
+               for e in entrants for seed in e.seeds}
+    maps = [retrieval_board.DepthMap.of(task, entrants, records) for task in map_tasks(args)]
+    bands = retrieval_board.band_names(args.depth_bands)
+    text = [f"# Retrieval depth map: {len(entrants)} position encodings", "",
+            f"Whole-answer accuracy (%) by length (rows) and by where the needle lies (columns: the share of the "
+            f"noise before MQAR's key-value pairs or the passkey, in {args.depth_bands} bands; 0% is the start of "
+            f"the input, the farthest from the questions), mean over the seeds; {args.map_examples} validation "
+            f"examples of each task at each length, each task's examples going through the bands in turn, "
+            f"other examples than the board's. Trained as the board says ({BOARD}.md). Nothing is pooled over "
+            "lengths."]
+    for depth_map in maps:
+        counts = depth_map.counts
+        text += ["", f"## {depth_map.task}", "",
+                 f"{counts.min()} to {counts.max()} whole answers a cell and seed: a seed's cell is within "
+                 f"±{depth_map.widest_interval():.1f} points (a normal 95% interval at 50%, the widest).", "",
+                 retrieval_board.depth_map_markdown(depth_map, entrants)]
+    write_text(str(args.out / f"{DEPTH_MAP}.md"), "\n".join(text) + "\n")
+    (args.out / f"{DEPTH_MAP}.png").unlink(missing_ok=True)
+    try:
+        figures.depth_map([(e.label, [m.accuracy[e.name].mean(axis=0) for m in maps]) for e in entrants],
+                          [m.task for m in maps], maps[0].lengths, bands, str(args.out / f"{DEPTH_MAP}.png"))
+    except figures.PlotsUnavailable as e:
+        stage(str(e))
+
+
 def compare(args: argparse.Namespace) -> None:
     """Every run of ``args.models`` by ``args.seeds`` (each model's first seed before any second), then the board."""
     started = time.time()
@@ -224,7 +278,7 @@ def compare(args: argparse.Namespace) -> None:
         if spent and k + 1 < len(runs):
             say_cost(args, runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    stage(f"the retrieval board: {args.out / BOARD}.md (.csv, .png)")
+    stage(f"the retrieval board: {args.out / BOARD}.md (.csv, .png); its depth map: {args.out / DEPTH_MAP}.md (.png)")
     print(write_board(args, runs))
     stage(f"done in {(time.time() - started) / 60:.1f} min; results in {args.out}")
 

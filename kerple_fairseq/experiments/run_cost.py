@@ -21,6 +21,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from kerple_fairseq.experiments.comparison import EVALUATION_RECORD
 
 RECORDS = ("trained.json", EVALUATION_RECORD)
+#: the record of a further evaluation some comparisons make (the retrieval comparison's depth map), counted
+#: with the evaluation where a run has it
+FURTHER_EVALUATION = "mapped.json"
 
 Run = Tuple[str, int]  # a model's name and its seed
 Seconds = Tuple[float, float]  # training, evaluation
@@ -32,6 +35,10 @@ def recorded_seconds(run_dir: Path) -> Optional[Seconds]:
         training, evaluation = (float(json.loads((run_dir / record).read_text())["seconds"]) for record in RECORDS)
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    try:
+        evaluation += float(json.loads((run_dir / FURTHER_EVALUATION).read_text())["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
     return training, evaluation
 
 

@@ -47,6 +47,9 @@ class RetrievalConfig(FairseqDataclass):
     passkey_digits: int = field(default=Settings.passkey_digits, metadata={"help": "the passkey's digits"})
     passkey_depth: Optional[float] = field(default=None, metadata={
         "help": "the share of the noise before the passkey, 0 (first) to 1 (last); default: drawn uniformly"})
+    depth_bands: int = field(default=0, metadata={
+        "help": "place the needles (MQAR's pairs, the passkey) in this many depth bands, each task's examples going "
+        "through them in turn, and report the accuracy by band; default: 0, drawn uniformly"})
     # what fairseq's language models read from their task's configuration
     add_bos_token: bool = False
     max_target_positions: Optional[int] = II("task.tokens_per_sample")
@@ -71,8 +74,11 @@ class RetrievalDataset(FairseqDataset):
         return self.tasks[int(rng.choice(len(self.tasks), p=self.chances))]
 
     def example(self, index: int) -> Example:
+        """Example ``index``; with depth bands, the ``i``-th of its task in turn (``index // len(tasks)``) has
+        its needle in band ``i mod --depth-bands``."""
+        band = index // len(self.tasks) % self.settings.depth_bands if self.settings.depth_bands else 0
         return draw(self.task_of(index), self.settings, self.alphabet, self.length,
-                    generator(self.seed, self.split, self.length, self.offset + index))
+                    generator(self.seed, self.split, self.length, self.offset + index), band)
 
     def __getitem__(self, index):
         return self.item(index, self.example(index))
@@ -193,7 +199,7 @@ class RetrievalTask(FairseqTask):
 def settings_of(cfg) -> Settings:
     """The sequences' settings of a task configuration, checked (one line for the first problem)."""
     settings = Settings(cfg.retrieval_vocabulary, cfg.filler_vocabulary, cfg.mqar_pairs, cfg.mqar_queries,
-                        cfg.passkey_digits, cfg.passkey_depth)
+                        cfg.passkey_digits, cfg.passkey_depth, cfg.depth_bands)
     problems = settings.problems()
     if problems:
         raise UsageError(problems[0])

@@ -16,6 +16,11 @@ before, its *source*; an answer's *depth* is how far back that is (its position 
 
 Noise is drawn from a filler alphabet of its own, so it is never a key, a digit or a copied symbol.
 
+The *needle* of MQAR (its key-value pairs) and of the passkey (its marker and digits) lies after a share of
+the noise drawn uniformly, or, with ``depth_bands`` B, in the band ``i mod B`` of B equal bands of where it
+can be, for the ``i``-th example of its task: band 0 the start of the input, B - 1 next to the question (the
+depth of needle-in-a-haystack tests, Kamradt 2023; the map of ``kerple-eval-lm`` reports accuracy by band).
+
 A *whole answer* is what the literature scores as one: an MQAR value, the passkey's digits together, a span
 of :data:`COPY_SPAN` copied tokens (copying's last, shorter span is scored token by token alone).
 """
@@ -47,6 +52,7 @@ class Settings:
     queries: int = 4  # MQAR's queries, of distinct keys among them
     passkey_digits: int = 5
     passkey_depth: Optional[float] = None  # the share of the noise before the passkey; None: drawn uniformly
+    depth_bands: int = 0  # > 0: each needle in its band of this many (the module's docstring); 0: drawn uniformly
 
     def problems(self) -> Sequence[str]:
         """What is wrong with the settings, one sentence each (nothing when they hold)."""
@@ -64,6 +70,10 @@ class Settings:
             found.append(f"--passkey-digits must be 1 or more, got {self.passkey_digits}")
         if self.passkey_depth is not None and not 0.0 <= self.passkey_depth <= 1.0:
             found.append(f"--passkey-depth must be between 0 (first) and 1 (last), got {self.passkey_depth}")
+        if self.depth_bands < 0:
+            found.append(f"--depth-bands must be 0 (needles drawn uniformly) or more, got {self.depth_bands}")
+        if self.depth_bands and self.passkey_depth is not None:
+            found.append("--passkey-depth and --depth-bands both place the passkey: give one of them")
         return found
 
     def answers(self, task: str, length: int) -> int:
@@ -71,9 +81,18 @@ class Settings:
         return {"mqar": self.queries, "passkey": self.passkey_digits, "copy": (length - 1) // 2}[task]
 
     def shortest(self, task: str) -> int:
-        """The shortest length an example of ``task`` fits in."""
-        return {"mqar": 2 * (self.pairs + self.queries), "passkey": 2 * (self.passkey_digits + 1),
+        """The shortest length an example of ``task`` fits in (with room for a needle in every depth band)."""
+        room = max(self.depth_bands - 1, 0)
+        return {"mqar": 2 * (self.pairs + self.queries) + room, "passkey": 2 * (self.passkey_digits + 1) + room,
                 "copy": 3}[task]
+
+    def needle_offset(self, noise: int, band: int, rng: np.random.Generator) -> int:
+        """The noise tokens before a needle, of ``noise + 1`` places: drawn uniformly among all of them, or among
+        those of depth band ``band`` (places ``p`` with ``p * depth_bands // (noise + 1) == band``)."""
+        if not self.depth_bands:
+            return int(rng.integers(0, noise + 1))
+        first = -(-band * (noise + 1) // self.depth_bands)
+        return int(rng.integers(first, -(-(band + 1) * (noise + 1) // self.depth_bands)))
 
     def symbols(self):
         """The dictionary's symbols after fairseq's four special ones (:data:`MARKERS`, content, digits, filler)."""
@@ -85,6 +104,7 @@ class Example(NamedTuple):
     tokens: np.ndarray  # L + 1 symbol indices (of :meth:`Settings.symbols`, offset by the dictionary)
     answers: np.ndarray  # the positions of the scored targets: target t is tokens[t + 1], read after tokens[:t + 1]
     sources: np.ndarray  # for each answer, the position in ``tokens`` of the token it repeats
+    band: int = -1  # the depth band its needle was placed in; -1: none (no bands, or copying)
 
 
 class Alphabet(NamedTuple):
@@ -108,14 +128,17 @@ def generator(seed: int, split: str, length: int, index: int, *more: int) -> np.
     return np.random.default_rng([seed, SPLITS.index(split), length, index, *more])
 
 
-def draw(task: str, settings: Settings, alphabet: Alphabet, length: int, rng: np.random.Generator) -> Example:
-    """One example of ``task`` of ``length`` (at least ``settings.shortest(task)``)."""
+def draw(task: str, settings: Settings, alphabet: Alphabet, length: int, rng: np.random.Generator,
+         band: int = 0) -> Example:
+    """One example of ``task`` of ``length`` (at least ``settings.shortest(task)``), its needle in depth band
+    ``band`` where ``settings.depth_bands`` places needles."""
+    banded = band if settings.depth_bands else -1
     tokens = np.empty(length + 1, dtype=np.int64)
     tokens[0] = alphabet.markers + TASKS.index(task)
     if task == "mqar":
         pairs, queries = settings.pairs, settings.queries
         noise = length - 2 * (pairs + queries)
-        before = int(rng.integers(0, noise + 1))
+        before = settings.needle_offset(noise, band, rng)
         keys = alphabet.content + rng.choice(settings.vocabulary // 2, pairs, replace=False)
         values = alphabet.content + settings.vocabulary // 2 + rng.integers(0, settings.vocabulary // 2, pairs)
         start = 1 + before
@@ -125,18 +148,21 @@ def draw(task: str, settings: Settings, alphabet: Alphabet, length: int, rng: np
         tokens[start + 2 * pairs:end] = alphabet.filler + rng.integers(0, settings.filler, noise - before)
         asked = rng.choice(pairs, queries, replace=False)
         tokens[end::2], tokens[end + 1::2] = keys[asked], values[asked]
-        return Example(tokens, end + 2 * np.arange(queries), start + 2 * asked + 1)
+        return Example(tokens, end + 2 * np.arange(queries), start + 2 * asked + 1, banded)
     if task == "passkey":
         digits = settings.passkey_digits
         noise = length - 2 * (digits + 1)
-        depth = rng.uniform() if settings.passkey_depth is None else settings.passkey_depth
-        before = int(round(depth * noise))
+        if settings.depth_bands:
+            before = settings.needle_offset(noise, band, rng)
+        else:
+            depth = rng.uniform() if settings.passkey_depth is None else settings.passkey_depth
+            before = int(round(depth * noise))
         passkey = alphabet.digits + rng.integers(0, DIGITS, digits)
         marker = alphabet.markers + len(TASKS)
         tokens[1:-digits - 1] = alphabet.filler + rng.integers(0, settings.filler, length - digits - 1)
         tokens[1 + before] = tokens[-digits - 1] = marker
         tokens[2 + before:2 + before + digits] = tokens[-digits:] = passkey
-        return Example(tokens, np.arange(length - digits, length), 2 + before + np.arange(digits))
+        return Example(tokens, np.arange(length - digits, length), 2 + before + np.arange(digits), banded)
     if task == "copy":
         half = (length - 1) // 2
         offset = length - 1 - 2 * half  # one filler token after the marker when the length is even
