@@ -228,6 +228,22 @@ def test_runs_differ_only_in_their_position_encoding():
     assert len(rest) == 1
 
 
+def test_a_rule_that_fails_a_trained_model_that_learned_is_given_as_the_reason(tmp_path):
+    import argparse
+
+    from kerple_fairseq.experiments.retrieval_comparison import rule_failures
+    learned = {("rotary_rerope", 1): True, ("rotary_rerope", 2): True, ("rotary_ntk", 1): True,
+               ("rotary_ntk", 2): False, ("alibi", 1): True}
+    for (name, seed), value in learned.items():
+        (tmp_path / f"{name}-seed{seed}").mkdir()
+        (tmp_path / f"{name}-seed{seed}" / "trained.json").write_text(json.dumps({"learned": value}))
+    args = argparse.Namespace(out=tmp_path, criterion=0.97, train_length=64)
+    reasons = rule_failures(args, list(learned))
+    assert list(reasons) == ["rotary_rerope"]
+    assert reasons["rotary_rerope"] == ("its trained model learned the tasks; evaluated with --rotary-scaling rerope "
+                                        "--model-overrides {'rerope_query_scale': 'log'}, it does not reach 97% at L=64")
+
+
 COMMITTED = REPO / "results" / "retrieval"
 
 

@@ -471,6 +471,10 @@ def test_board_ranks_the_models_that_learned_the_task_and_resolves():
     table = retrieval_board.markdown(board, "passkey", {"nope": 25}, {"nope": "learned at 500"})
     assert "| 1 | NOPE | additive bias |" in table and "▲" in table and "| 25 | learned at 500 |" in table
     assert "| not learned | FIRE |" in table and "| | *guess among the symbols the input shows* | | 2.0 | 2.0 |" in table
+    rules = {"fire": "its trained model learned the tasks; evaluated with --x, ...", "nope": "never shown: ranked"}
+    with_rules = retrieval_board.markdown(board, "passkey", {}, {"fire": "updates to learn: 500"}, rules)
+    assert "| updates to learn: 500; its trained model learned the tasks; evaluated with --x, ... |" in with_rules
+    assert "never shown" not in with_rules
     header, rows = retrieval_board.csv_rows(board)
     assert len(rows) == 4 * 2 and header[0] == "model"
 

@@ -171,6 +171,19 @@ def training_outcomes(args: argparse.Namespace, runs: Sequence[Run]) -> Dict[str
     return {name: "updates to learn: " + ", ".join(texts) for name, texts in said.items()}
 
 
+def rule_failures(args: argparse.Namespace, runs: Sequence[Run]) -> Dict[str, str]:
+    """Why a model evaluated under a rule of its own on another's checkpoint (ReRoPE's window, a scaling) is not
+    ranked where every seed of its trained model learned the tasks: by model."""
+    found: Dict[str, List[bool]] = {}
+    for name, seed in runs:
+        if POSITION_ENCODINGS[name].eval_flags:
+            record = json.loads((run_dir(args, name, seed) / "trained.json").read_text())
+            found.setdefault(name, []).append(bool(record["learned"]))
+    return {name: f"its trained model learned the tasks; evaluated with {' '.join(POSITION_ENCODINGS[name].eval_flags)}, "
+            f"it does not reach {100 * args.criterion:g}% at L={args.train_length}"
+            for name, learned in found.items() if all(learned)}
+
+
 def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
     """The board of the evaluated ``runs`` in ``<out>/retrieval-board.{md,csv,png}``; its markdown."""
     seeds: Dict[str, List[int]] = {}
@@ -216,7 +229,8 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
                "(early-token-cursed; blank where it holds none). " if ppl_rank else "")
             + f"Training and evaluation took {duration(seconds)} in all on this machine."]
     for task in board.tasks:
-        text += ["", f"## {task}", "", retrieval_board.markdown(board, task, ppl_rank, training)]
+        text += ["", f"## {task}", "", retrieval_board.markdown(board, task, ppl_rank, training,
+                                                               rule_failures(args, evaluated(args, runs)))]
     for task in board.tasks:
         text += ["", f"## {task} at L={max(board.lengths)}, seed by seed", "",
                  retrieval_board.seed_markdown(board, task, max(board.lengths), labels)]
