@@ -157,24 +157,30 @@ def attention_by_distance(panels: List[Tuple[str, np.ndarray, List[str]]], lengt
     _save(fig, path)
 
 
+#: panels of the depth map side by side (two models' two tasks); more go on further rows
+DEPTH_MAP_PANELS_PER_ROW = 4
+
+
 def depth_map(rows: List[Tuple[str, List[np.ndarray]]], tasks: Sequence[str], lengths: Sequence[int],
               bands: Sequence[str], path: str) -> None:
-    """A needle-in-a-haystack map a model (row) and task (column): accuracy (%) by length and depth band."""
+    """A needle-in-a-haystack map a model and task: accuracy (%) by length (rows) and depth band (columns)."""
     plt = pyplot()
-    fig, axes = plt.subplots(len(rows), len(tasks), figsize=(3.2 * len(tasks) + 1, 1.9 * len(rows) + 0.6),
-                             squeeze=False)
-    for (label, maps), row in zip(rows, axes):
-        for ax, task, values in zip(row, tasks, maps):
-            image = ax.imshow(100 * values, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
-            for (i, j), v in np.ndenumerate(100 * values):
-                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=6)
-            ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=6)
-            ax.set_xticks(range(len(bands)), bands, fontsize=6)
-            ax.set_title(f"{label}: {task}", fontsize=8)
-    for ax in axes[-1]:
-        ax.set_xlabel("needle's depth band (0%: the input's start)", fontsize=7)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("length", fontsize=7)
+    panels = [(f"{label}: {task}", values) for label, maps in rows for task, values in zip(tasks, maps)]
+    across = min(DEPTH_MAP_PANELS_PER_ROW, len(panels))
+    down = -(-len(panels) // across)
+    fig, axes = plt.subplots(down, across, figsize=(3.0 * across + 1, 2.4 * down + 0.4), squeeze=False)
+    for ax, (title, values) in zip(axes.flat, panels):
+        image = ax.imshow(100 * values, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+        for (i, j), v in np.ndenumerate(100 * values):
+            ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=6)
+        ax.set_yticks(range(len(lengths)), [str(n) for n in lengths], fontsize=6)
+        ax.set_xticks(range(len(bands)), bands, fontsize=6)
+        ax.set_title(title, fontsize=8)
+        ax.set_xlabel("needle's depth band (0%: the input's start)", fontsize=6)
+        ax.set_ylabel("length", fontsize=6)
+    for ax in axes.flat[len(panels):]:
+        ax.set_axis_off()
+    fig.subplots_adjust(hspace=0.6, wspace=0.35)
     fig.colorbar(image, ax=axes, shrink=0.6, label="whole-answer accuracy (%)")
     _save(fig, path)
 
