@@ -70,3 +70,18 @@ def test_more_than_three_kernel_panels_go_on_further_rows(drawn):
     visible = [ax for ax in drawn[0].axes if ax.get_visible()]
     assert [ax.get_title() for ax in visible] == ["m0", "m1", "m2", "m3"]
     assert len(drawn[0].axes) == 6 and visible[3].get_position().y0 < visible[0].get_position().y0
+
+
+def test_depth_map_draws_each_model_and_task_with_its_cells(drawn):
+    """Three models' two tasks: four panels a row, the fifth and sixth on a second, the last two axes off;
+    each cell's percentage written where the image puts it."""
+    values = np.arange(12, dtype=float).reshape(3, 4) / 11
+    rows = [(f"model {k}", [values, 1 - values]) for k in range(3)]
+    figures.depth_map(rows, ["mqar", "passkey"], [64, 128, 256], ["0-25%", "25-50%", "50-75%", "75-100%"],
+                      "unused.png")
+    panels = [ax for ax in drawn[0].axes if ax.get_title()]
+    assert [ax.get_title() for ax in panels] == [f"model {k}: {t}" for k in range(3) for t in ("mqar", "passkey")]
+    assert sum(not ax.axison for ax in drawn[0].axes) == 2
+    texts = {(t.get_position(), t.get_text()) for t in panels[1].texts}
+    assert ((3, 2), "0") in texts and ((0, 0), "100") in texts  # passkey: 1 - values, row = length, column = band
+    assert [t.get_text() for t in panels[0].get_yticklabels()] == ["64", "128", "256"]
