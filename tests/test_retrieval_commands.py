@@ -218,7 +218,7 @@ def test_runs_differ_only_in_their_position_encoding():
     from kerple_fairseq.experiments.retrieval_comparison import training
     args = argparse.Namespace(out=REPO / "runs" / "unused", tasks=list(TASKS), train_length=64, max_tokens=2048,
                               updates=12000, layers=2, width=128, heads=4, kernel_parameterization="clamp",
-                              check_every=500, criterion=0.97, check_examples=100, train_task_mix="equal-loss")
+                              check_every=500, criterion=0.97, check_examples=100, train_task_mix="turns")
     rest = set()
     for name, encoding in POSITION_ENCODINGS.items():
         flags = training(args, name, 1).key["fairseq-train"]
