@@ -20,7 +20,7 @@ from kerple_core.kernels.constraints import PARAMETERIZATIONS  # noqa: E402
 from kerple_fairseq.errors import UsageError  # noqa: E402
 from kerple_fairseq.experiments.comparison import CommandFailed  # noqa: E402
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS  # noqa: E402
-from kerple_fairseq.experiments.retrieval_comparison import SETTINGS, compare  # noqa: E402
+from kerple_fairseq.experiments.retrieval_comparison import MAP_TASKS, SETTINGS, compare  # noqa: E402
 from kerple_fairseq.tasks.retrieval import MIXES  # noqa: E402
 from kerple_fairseq.tasks.retrieval_sequences import TASKS  # noqa: E402
 
@@ -91,11 +91,18 @@ def main(argv=None):
              "--map-examples, --depth-bands and --max-tokens must be positive")
     if not 0.0 < args.criterion <= 1.0:
         fail(f"--criterion is a share of whole answers, above 0 and at most 1, got {args.criterion}")
-    banded = replace(SETTINGS, depth_bands=args.depth_bands)  # the depth map's: room for a needle in every band
-    shortest = max(banded.shortest(task) for task in args.tasks)
+    shortest = max(SETTINGS.shortest(task) for task in args.tasks)
     if min(args.train_length, *args.eval_lengths) < shortest:
         fail(f"--train-length and --eval-lengths must be {shortest} or more: the longest of these tasks' examples needs "
              "that many tokens")
+    banded = replace(SETTINGS, depth_bands=args.depth_bands)  # the depth map's: room for a needle in every band
+    mapped = [task for task in args.tasks if task in MAP_TASKS]
+    if mapped and min(args.eval_lengths) < max(banded.shortest(task) for task in mapped):
+        fail(f"--eval-lengths must be {max(banded.shortest(task) for task in mapped)} or more for the depth map: "
+             f"{', '.join(mapped)} need room for a needle in each of --depth-bands {args.depth_bands}")
+    if mapped and args.map_examples < args.depth_bands:
+        fail(f"--map-examples {args.map_examples} leaves some of --depth-bands {args.depth_bands} empty: give as many "
+             "examples as bands or more")
     if args.max_tokens < args.train_length:
         fail(f"--max-tokens {args.max_tokens} holds no example of --train-length {args.train_length}")
     if not args.perplexity_board.is_dir():

@@ -166,14 +166,15 @@ COMPARISON = str(REPO / "scripts" / "retrieval_comparison.py")
 TRAINING = re.compile(r"^\[[0-9:]+\] training ", re.MULTILINE)  # the comparison's line as a training starts
 
 
-def comparison(out, *more):
+def comparison(out, *more, check=True):
     """The comparison at a tiny size, forked (:mod:`console_scripts`): the script's own imports done once; the
     trainings and evaluations it starts are processes of their own."""
     return run_forked(COMPARISON, ["--models", "alibi", "rotary", "rotary_ntk", "--seeds", "1", "2", "--updates", "8",
                                    "--check-every", "4", "--check-examples", "4",
                                    "--train-length", "28", "--eval-lengths", "28", "56", "--examples", "10",
                                    "--map-examples", "10", "--depth-bands", "5",
-                                   "--layers", "1", "--width", "32", "--heads", "2", "--out", out, *more], REPO)
+                                   "--layers", "1", "--width", "32", "--heads", "2", "--out", out, *more], REPO,
+                      check=check)
 
 
 @pytest.mark.slow  # four trainings and twelve evaluations
@@ -206,6 +207,11 @@ def test_the_comparison_goes_on_where_it_stopped_and_keeps_runs_without_checkpoi
     kept = comparison(out)
     assert kept.stdout.count("kept without its checkpoint") == 6
     assert (out / "retrieval-board.md").read_text() == board
+    (out / "alibi-seed1" / "mapped.json").unlink()  # a run kept without its checkpoint, and its map lost
+    lost = comparison(out, check=False)
+    assert lost.returncode == 2 and "Traceback" not in lost.stderr and "alibi-seed1 is kept without its checkpoint " \
+        "and has no depth map made with these --map-examples and --depth-bands" in lost.stderr
+    assert (out / "alibi-seed1" / "trained.json").is_file() and not TRAINING.findall(lost.stdout)
     assert (out / "retrieval-depth-map.md").read_text() == depth_map
     for results in ("eval.json", "depth-map.json"):
         records = {p.parent.name: json.loads(p.read_text()) for p in out.glob(f"*/{results}")}
@@ -226,6 +232,23 @@ def test_runs_differ_only_in_their_position_encoding():
         assert flags[:len(model)] == model
         rest.add(tuple(flags[len(model):]))
     assert len(rest) == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--criterion", "1.5"], "--criterion is a share of whole answers, above 0 and at most 1, got 1.5"),
+    (["--map-examples", "3"], "--map-examples 3 leaves some of --depth-bands 5 empty"),
+    (["--eval-lengths", "24"], "--eval-lengths must be 28 or more for the depth map: mqar, passkey need room"),
+])
+def test_the_comparison_refuses_bad_options_in_one_line(flags, message, capsys, tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("retrieval_comparison_script", COMPARISON)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    with pytest.raises(SystemExit) as e:
+        script.main([*flags, "--out", str(tmp_path / "out")])
+    error = capsys.readouterr().err
+    assert e.value.code == 2 and message in error and error.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
 def test_a_rule_that_fails_a_trained_model_that_learned_is_given_as_the_reason(tmp_path):

@@ -506,6 +506,19 @@ def test_board_refuses_scores_of_other_examples_and_needs_the_training_length():
         retrieval_board.build(entrants, 32, scores_of, {("mqar", 64): CHANCE}, 0.97, samples=100)
 
 
+def test_scores_drawn_before_depth_bands_existed_pair_with_those_after():
+    before = {"split": "valid", "seed": 1, "settings": {"vocabulary": 64}}
+    after = {"split": "valid", "seed": 1, "settings": {"vocabulary": 64, "depth_bands": 0}}
+    assert retrieval_board.examples_drawn(before) == retrieval_board.examples_drawn(after) == after
+    assert retrieval_board.examples_drawn({**after, "settings": {"vocabulary": 64, "depth_bands": 5}}) != after
+
+    def scores_of(name, seed):
+        return (before if name == "nope" else after), {("mqar", 64): ExampleScores(*[np.ones(3)] * 4)}
+
+    entrants = [retrieval_board.Entrant(n, n, "f", [1]) for n in ("alibi", "nope")]
+    retrieval_board.build(entrants, 64, scores_of, {("mqar", 64): CHANCE}, 0.97, samples=100)
+
+
 def test_examples_are_drawn_from_the_four_numbers_alone():
     assert NAME == "retrieval" and Settings().problems() == []
     numbers = generator(1, "valid", 64, 3).integers(0, 1 << 30, 4)
@@ -535,6 +548,14 @@ def test_depth_map_is_one_length_a_row_and_averages_the_seeds():
     assert "**ALIBI**\n\n| length | 0-50% | 50-100% |\n|---|---|---|\n| 64 | 50 | 50 |\n| 128 | 60 | 50 |" in table
     assert "**NOPE**\n\n| length | 0-50% | 50-100% |\n|---|---|---|\n| 64 | 100 | 50 |\n| 128 | 50 | 75 |" in table
     records["nope", 2][1]["depth_bands"][1]["num_whole"] = 11  # other examples
+    with pytest.raises(UsageError, match="made with other lengths, bands or examples"):
+        retrieval_board.DepthMap.of("passkey", entrants, records)
+    records["nope", 2][1]["depth_bands"][1]["num_whole"] = 12
+    records["nope", 2][1]["depth_bands"][1]["band"] = 2  # a band missing: the columns would be misnamed
+    with pytest.raises(UsageError, match="made with other lengths, bands or examples"):
+        retrieval_board.DepthMap.of("passkey", entrants, records)
+    records["nope", 2][1]["depth_bands"][1]["band"] = 1
+    del records["nope", 2][1]  # a length missing
     with pytest.raises(UsageError, match="made with other lengths, bands or examples"):
         retrieval_board.DepthMap.of("passkey", entrants, records)
 

@@ -123,6 +123,13 @@ def record(run_dir, training, evaluation, ppl=None):
                                                        for n, p in ((64, 100.0), (2048, ppl))]))
 
 
+def test_a_further_evaluation_counts_with_the_evaluation(tmp_path):
+    record(tmp_path / "alibi-seed1", 100, 50)
+    assert run_cost.recorded_seconds(tmp_path / "alibi-seed1") == (100.0, 50.0)
+    (tmp_path / "alibi-seed1" / run_cost.FURTHER_EVALUATION).write_text(json.dumps({"key": {}, "seconds": 20}))
+    assert run_cost.recorded_seconds(tmp_path / "alibi-seed1") == (100.0, 70.0)
+
+
 def test_the_estimate_scales_the_measured_run_by_each_model_s_relative_cost(tmp_path):
     other = tmp_path / "other"
     record(other / "alibi-seed1", 100, 50, ppl=150.0)

@@ -163,7 +163,7 @@ DEPTH_MAP_PANELS_PER_ROW = 4
 
 def depth_map(rows: List[Tuple[str, List[np.ndarray]]], tasks: Sequence[str], lengths: Sequence[int],
               bands: Sequence[str], path: str) -> None:
-    """A needle-in-a-haystack map a model and task: accuracy (%) by length (rows) and depth band (columns)."""
+    """A needle-in-a-haystack map of each model and task: accuracy (%) by length (rows) and depth band (columns)."""
     plt = pyplot()
     panels = [(f"{label}: {task}", values) for label, maps in rows for task, values in zip(tasks, maps)]
     across = min(DEPTH_MAP_PANELS_PER_ROW, len(panels))

@@ -104,12 +104,18 @@ class RetrievalBoard:
         return next((v for v in self.versus if (v.model, v.protocol, v.length) == (model, task, length)), None)
 
 
+def examples_drawn(meta: dict) -> dict:
+    """What drew a run's examples, its settings written before ``depth_bands`` existed read as its default (0,
+    which draws the same examples)."""
+    return {**meta, "settings": {"depth_bands": 0, **meta.get("settings", {})}}
+
+
 def check_same_examples(task: str, length: int, runs: Sequence[Run],
                         found: Sequence[Tuple[dict, ExampleScores]]) -> None:
     """A :class:`UsageError` unless every run answered the same examples, drawn alike."""
     (meta, first), (name, seed) = found[0], runs[0]
     for (other_meta, other), (other_name, other_seed) in zip(found[1:], runs[1:]):
-        if other_meta != meta or not np.array_equal(other.answers, first.answers):
+        if examples_drawn(other_meta) != examples_drawn(meta) or not np.array_equal(other.answers, first.answers):
             raise UsageError(f"{name} (seed {seed}) and {other_name} (seed {other_seed}) answered different {task} "
                              f"examples at length {length}: evaluate them with the same kerple-eval-lm --task "
                              "retrieval options")
@@ -121,7 +127,7 @@ def units(read: Dict[Run, Tuple[dict, Dict[Tuple[str, int], ExampleScores]]]) ->
     tokens (examples without a whole answer left out)."""
     def of(name: str, seed: int) -> Dict[Tuple[str, int], SpanLosses]:
         meta, scores = read[name, seed]
-        drawn = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+        drawn = hashlib.sha256(json.dumps(examples_drawn(meta), sort_keys=True).encode()).hexdigest()
         return {key: SpanLosses(s.whole_correct[s.wholes > 0].astype(np.float64),
                                 s.wholes[s.wholes > 0].astype(np.int64), drawn) for key, s in scores.items()}
     return of
@@ -270,8 +276,11 @@ class DepthMap:
         found = {run: {r["length"]: r["depth_bands"] for r in rs if r["task"] == task} for run, rs in records.items()}
         lengths = sorted(next(iter(found.values())))
         bands = len(next(iter(found.values()))[lengths[0]])
-        counts = {tuple(tuple(b["num_whole"] for b in by_length[n]) for n in lengths) for by_length in found.values()}
-        if len(counts) != 1 or any(sorted(by_length) != lengths for by_length in found.values()):
+        alike = all(sorted(by_length) == lengths and all([b["band"] for b in by_length[n]] == list(range(bands))
+                                                          for n in lengths) for by_length in found.values())
+        counts = {tuple(tuple(b["num_whole"] for b in by_length[n]) for n in lengths)
+                  for by_length in found.values()} if alike else set()
+        if len(counts) != 1:
             raise UsageError(f"the depth maps of {task} were made with other lengths, bands or examples: make them "
                              "again with the same options")
         accuracy = {e.name: np.array([[[b["whole_accuracy"] for b in found[e.name, seed][n]] for n in lengths]

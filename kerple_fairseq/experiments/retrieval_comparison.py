@@ -96,12 +96,19 @@ def evaluations(args: argparse.Namespace) -> List[bool]:
 
 
 def kept(args: argparse.Namespace, name: str, seed: int) -> bool:
-    """Whether the run is finished and kept without its checkpoint (committed, or copied from another machine)."""
+    """Whether the run is finished and kept without its checkpoint (committed, or copied from another machine);
+    a :class:`UsageError` for one kept so whose board evaluation holds but whose depth map, with these options,
+    is missing (made again, it would need the checkpoint, and training again would lose the run)."""
     step = training(args, name, seed)
     if step.outputs[0].is_file() or Step(step.record, step.key, []).finished() is None:
         return False
-    return all(evaluation(args, name, seed, step.outputs[0], depth_map)[0].finished(unchecked=("checkpoint",))
-               is not None for depth_map in evaluations(args))
+    done = [evaluation(args, name, seed, step.outputs[0], depth_map)[0].finished(unchecked=("checkpoint",))
+            is not None for depth_map in evaluations(args)]
+    if done[0] and not all(done):
+        raise UsageError(f"{name}-seed{seed} is kept without its checkpoint and has no depth map made with these "
+                         f"--map-examples and --depth-bands: put its checkpoint_last.pt back in "
+                         f"{run_dir(args, name, seed)}, or give the options it was mapped with")
+    return all(done)
 
 
 def train_and_evaluate(args: argparse.Namespace, name: str, seed: int) -> float:
@@ -237,6 +244,9 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
     if map_tasks(args):
         text += ["", f"Accuracy by length and the depth of the needle: {DEPTH_MAP}.md (.png)."]
         write_depth_map(args, entrants)
+    else:  # none of these tasks has a needle: no map of an earlier comparison left beside this board
+        for suffix in (".md", ".png"):
+            (args.out / f"{DEPTH_MAP}{suffix}").unlink(missing_ok=True)
     markdown = "\n".join(text) + "\n"
     write_text(str(args.out / f"{BOARD}.md"), markdown)
     write_csv(str(args.out / f"{BOARD}.csv"), *retrieval_board.csv_rows(board))
@@ -264,8 +274,9 @@ def write_depth_map(args: argparse.Namespace, entrants: Sequence[retrieval_board
             f"Whole-answer accuracy (%) by length (rows) and by where the needle lies (columns: the share of the "
             f"noise before MQAR's key-value pairs or the passkey, in {args.depth_bands} bands; 0% is the start of "
             f"the input, the farthest from the questions), mean over the seeds; {args.map_examples} validation "
-            f"examples of each task at each length, each task's examples going through the bands in turn, "
-            f"other examples than the board's. Trained as the board says ({BOARD}.md). Nothing is pooled over "
+            f"examples of each task at each length, each task's examples going through the bands in turn (drawn "
+            f"from the board's stream: MQAR's first {args.examples} hold the board's pairs and queries, the pairs "
+            f"moved into their bands; the passkeys differ). Trained as the board says ({BOARD}.md). Nothing is pooled over "
             "lengths."]
     for depth_map in maps:
         counts = depth_map.counts
@@ -292,7 +303,8 @@ def compare(args: argparse.Namespace) -> None:
         if spent and k + 1 < len(runs):
             say_cost(args, runs)
     args.out.mkdir(parents=True, exist_ok=True)
-    stage(f"the retrieval board: {args.out / BOARD}.md (.csv, .png); its depth map: {args.out / DEPTH_MAP}.md (.png)")
+    stage(f"the retrieval board: {args.out / BOARD}.md (.csv, .png)"
+          + (f"; its depth map: {args.out / DEPTH_MAP}.md (.png)" if map_tasks(args) else ""))
     print(write_board(args, runs))
     stage(f"done in {(time.time() - started) / 60:.1f} min; results in {args.out}")
 

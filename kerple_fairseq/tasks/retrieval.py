@@ -48,8 +48,9 @@ class RetrievalConfig(FairseqDataclass):
     passkey_depth: Optional[float] = field(default=None, metadata={
         "help": "the share of the noise before the passkey, 0 (first) to 1 (last); default: drawn uniformly"})
     depth_bands: int = field(default=0, metadata={
-        "help": "place the needles (MQAR's pairs, the passkey) in this many depth bands, each task's examples going "
-        "through them in turn, and report the accuracy by band; default: 0, drawn uniformly"})
+        "help": "place the needles (MQAR's pairs, the passkey) in this many depth bands, example i in band "
+        "(i // tasks) mod bands (in valid and test: each task's examples through them in turn), and report the "
+        "accuracy by band; default: 0, drawn uniformly"})
     # what fairseq's language models read from their task's configuration
     add_bos_token: bool = False
     max_target_positions: Optional[int] = II("task.tokens_per_sample")

@@ -132,6 +132,8 @@ def draw(task: str, settings: Settings, alphabet: Alphabet, length: int, rng: np
          band: int = 0) -> Example:
     """One example of ``task`` of ``length`` (at least ``settings.shortest(task)``), its needle in depth band
     ``band`` where ``settings.depth_bands`` places needles."""
+    if settings.depth_bands and not 0 <= band < settings.depth_bands:
+        raise ValueError(f"depth band {band} is not one of the {settings.depth_bands}")
     banded = band if settings.depth_bands else -1
     tokens = np.empty(length + 1, dtype=np.int64)
     tokens[0] = alphabet.markers + TASKS.index(task)
