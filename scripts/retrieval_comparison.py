@@ -20,7 +20,7 @@ from kerple_core.kernels.constraints import PARAMETERIZATIONS  # noqa: E402
 from kerple_fairseq.errors import UsageError  # noqa: E402
 from kerple_fairseq.experiments.comparison import CommandFailed  # noqa: E402
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS  # noqa: E402
-from kerple_fairseq.experiments.retrieval_comparison import MAP_TASKS, SETTINGS, compare  # noqa: E402
+from kerple_fairseq.experiments.retrieval_comparison import SETTINGS, compare, map_tasks  # noqa: E402
 from kerple_fairseq.tasks.retrieval import MIXES  # noqa: E402
 from kerple_fairseq.tasks.retrieval_sequences import TASKS  # noqa: E402
 
@@ -96,7 +96,7 @@ def main(argv=None):
         fail(f"--train-length and --eval-lengths must be {shortest} or more: the longest of these tasks' examples needs "
              "that many tokens")
     banded = replace(SETTINGS, depth_bands=args.depth_bands)  # the depth map's: room for a needle in every band
-    mapped = [task for task in args.tasks if task in MAP_TASKS]
+    mapped = map_tasks(args)
     if mapped and min(args.eval_lengths) < max(banded.shortest(task) for task in mapped):
         fail(f"--eval-lengths must be {max(banded.shortest(task) for task in mapped)} or more for the depth map: "
              f"{', '.join(mapped)} need room for a needle in each of --depth-bands {args.depth_bands}")
