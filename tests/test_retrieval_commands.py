@@ -212,6 +212,7 @@ def test_the_comparison_goes_on_where_it_stopped_and_keeps_runs_without_checkpoi
     assert lost.returncode == 2 and "Traceback" not in lost.stderr and "alibi-seed1 is kept without its checkpoint " \
         "and has no depth map made with these --map-examples and --depth-bands" in lost.stderr
     assert (out / "alibi-seed1" / "trained.json").is_file() and not TRAINING.findall(lost.stdout)
+    assert "cost: 5 of 6 runs are finished" in lost.stdout  # the run without its map is not
     assert (out / "retrieval-depth-map.md").read_text() == depth_map
     for results in ("eval.json", "depth-map.json"):
         records = {p.parent.name: json.loads(p.read_text()) for p in out.glob(f"*/{results}")}

@@ -135,10 +135,12 @@ def train_and_evaluate(args: argparse.Namespace, name: str, seed: int) -> float:
 
 
 def say_cost(args: argparse.Namespace, runs: Sequence[Run]) -> None:
-    """The time the unfinished runs need: each model's own runs here where it has some, otherwise the first
-    finished model's, scaled by each model's cost relative to it on the perplexity board."""
+    """The time the unfinished runs need (a run is finished once trained and evaluated, for the depth map too
+    where a task has a needle): each model's own runs here where it has some, otherwise the first finished
+    model's, scaled by each model's cost relative to it on the perplexity board."""
     here = {name: s for name, s in model_costs(args.out).items() if name in args.models}
-    finished = [r for r in runs if recorded_seconds(run_dir(args, *r)) is not None]
+    finished = [r for r in runs if recorded_seconds(run_dir(args, *r)) is not None
+                and (not map_tasks(args) or (run_dir(args, *r) / MAP_RECORD).is_file())]
     left = [r for r in runs if r not in finished]
     if not here:
         stage(f"{len(runs)} runs to make; the cost of them all is said once the first is made")
