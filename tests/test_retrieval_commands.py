@@ -252,20 +252,42 @@ def test_the_comparison_refuses_bad_options_in_one_line(flags, message, capsys, 
     assert e.value.code == 2 and message in error and error.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
-def test_a_rule_that_fails_a_trained_model_that_learned_is_given_as_the_reason(tmp_path):
+def test_an_unranked_model_whose_training_learned_the_tasks_is_given_the_reason(tmp_path):
     import argparse
 
-    from kerple_fairseq.experiments.retrieval_comparison import rule_failures
-    learned = {("rotary_rerope", 1): True, ("rotary_rerope", 2): True, ("rotary_ntk", 1): True,
-               ("rotary_ntk", 2): False, ("alibi", 1): True}
+    from kerple_fairseq.analysis.retrieval_board import Entrant, RetrievalBoard
+    from kerple_fairseq.experiments.retrieval_comparison import unranked_reasons
+    learned = {("rotary", 1): True, ("rotary_rerope", 1): True, ("rotary_rerope", 2): True, ("rotary_ntk", 1): True,
+               ("rotary_ntk", 2): False, ("rotary_yarn", 1): True, ("alibi", 1): True}
     for (name, seed), value in learned.items():
         (tmp_path / f"{name}-seed{seed}").mkdir()
         (tmp_path / f"{name}-seed{seed}" / "trained.json").write_text(json.dumps({"learned": value}))
+    # whole answers at L=64 on the board's examples: rotary copies, but misses the passkey
+    copy = {"rotary": [1.0], "rotary_rerope": [0.0, 0.0], "rotary_ntk": [1.0, 0.5], "rotary_yarn": [0.99],
+            "alibi": [0.98]}
+    passkey = {"rotary": [0.95], "rotary_rerope": [0.96, 0.99], "rotary_ntk": [0.95, 0.5], "rotary_yarn": [0.95],
+               "alibi": [0.96]}
+    accuracy = {(name, task, 64): values for task, by_model in (("copy", copy), ("passkey", passkey))
+                for name, values in by_model.items()}
+
+    def board(names):
+        return RetrievalBoard(64, ["copy", "passkey"], [64], [Entrant(n, n, "", [1]) for n in names], 0.95, 0.97,
+                              {}, {k: v for k, v in accuracy.items() if k[0] in names})
+
     args = argparse.Namespace(out=tmp_path, criterion=0.97, train_length=64)
-    reasons = rule_failures(args, list(learned))
-    assert list(reasons) == ["rotary_rerope"]
-    assert reasons["rotary_rerope"] == ("its trained model learned the tasks; evaluated with --rotary-scaling rerope "
-                                        "--model-overrides {'rerope_query_scale': 'log'}, it does not reach 97% at L=64")
+    runs, every = list(learned), board(copy)
+    assert unranked_reasons(args, runs, every, "copy") == {
+        "rotary_rerope": "its trained model, rotary, reaches 97% at L=64; evaluated with --rotary-scaling rerope "
+                         "--model-overrides {'rerope_query_scale': 'log'}, it does not"}
+    assert unranked_reasons(args, runs, every, "passkey") == {
+        "rotary": "its training checks reached 97% at L=64; the board's examples are below it",
+        "rotary_rerope": "its trained model, rotary, is below 97% at L=64 here too",
+        "rotary_yarn": "its trained model, rotary, is below 97% at L=64 here too",
+        "alibi": "its training checks reached 97% at L=64; the board's examples are below it"}
+    alone = [r for r in runs if r[0] != "rotary"]
+    assert unranked_reasons(args, alone, board([n for n in copy if n != "rotary"]), "copy") == {
+        "rotary_rerope": "its trained model learned the tasks; evaluated with --rotary-scaling rerope "
+                         "--model-overrides {'rerope_query_scale': 'log'}, it does not reach 97% at L=64"}
 
 
 COMMITTED = REPO / "results" / "retrieval"

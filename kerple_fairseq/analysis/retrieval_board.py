@@ -185,13 +185,12 @@ def _cell(board: RetrievalBoard, name: str, task: str, length: int) -> str:
 
 
 def markdown(board: RetrievalBoard, task: str, perplexity_rank: Dict[str, int], training: Dict[str, str],
-             rules: Optional[Dict[str, str]] = None) -> str:
+             reasons: Optional[Dict[str, str]] = None) -> str:
     """A task's table: the models that learned it by rank, then the others; their whole-answer accuracy (%) at
     every length, per-token in brackets, ▲/▼ where resolved above or below ALiBi and meaningful
     (:meth:`RetrievalBoard.marked`), the perplexity board's rank of each (blank where it holds none) and how its
-    training ended (``training``, by model), with the reason it is not ranked where ``rules`` gives one (a
-    model evaluated under a rule of its own on a trained model that learned the tasks); then the chance of a
-    guess, whole, at every length."""
+    training ended (``training``, by model), with the reason it is not ranked where ``reasons`` gives one;
+    then the chance of a guess, whole, at every length."""
     ranks = board.ranks(task)
     lines = ["| rank | model | family | " + " | ".join(f"L={n}" for n in board.lengths)
              + f" | mean beyond L={board.train_length} | perplexity rank | training |",
@@ -201,8 +200,8 @@ def markdown(board: RetrievalBoard, task: str, perplexity_rank: Dict[str, int], 
         rank = ranks.get(e.name, "not learned")
         beyond = _percent(board.beyond_mean(e.name, task)) if e.name in ranks else ""
         outcome = training.get(e.name, "")
-        if e.name not in ranks and e.name in (rules or {}):
-            outcome += f"; {rules[e.name]}"
+        if e.name not in ranks and e.name in (reasons or {}):
+            outcome += f"; {reasons[e.name]}"
         lines.append(f"| {rank} | {e.label} | {e.family} | " + " | ".join(cells)
                      + f" | {beyond} | {perplexity_rank.get(e.name, '')} | {outcome} |")
     for label, kind in (("guess among the symbols the input shows", "in_context"),
