@@ -95,6 +95,14 @@ def evaluations(args: argparse.Namespace) -> List[bool]:
     return [False, True] if map_tasks(args) else [False]
 
 
+def evaluated_so(args: argparse.Namespace, name: str, seed: int) -> List[bool]:
+    """Whether each evaluation of :func:`evaluations` holds, with these options, for the run's checkpoint as recorded
+    (not read again)."""
+    checkpoint = training(args, name, seed).outputs[0]
+    return [evaluation(args, name, seed, checkpoint, depth_map)[0].finished(unchecked=("checkpoint",)) is not None
+            for depth_map in evaluations(args)]
+
+
 def kept(args: argparse.Namespace, name: str, seed: int) -> bool:
     """Whether the run is finished and kept without its checkpoint (committed, or copied from another machine);
     a :class:`UsageError` for one kept so whose board evaluation holds but whose depth map, with these options,
@@ -102,8 +110,7 @@ def kept(args: argparse.Namespace, name: str, seed: int) -> bool:
     step = training(args, name, seed)
     if step.outputs[0].is_file() or Step(step.record, step.key, []).finished() is None:
         return False
-    done = [evaluation(args, name, seed, step.outputs[0], depth_map)[0].finished(unchecked=("checkpoint",))
-            is not None for depth_map in evaluations(args)]
+    done = evaluated_so(args, name, seed)
     if done[0] and not all(done):
         raise UsageError(f"{name}-seed{seed} is kept without its checkpoint and has no depth map made with these "
                          f"--map-examples and --depth-bands: put its checkpoint_last.pt back in "
@@ -135,12 +142,11 @@ def train_and_evaluate(args: argparse.Namespace, name: str, seed: int) -> float:
 
 
 def say_cost(args: argparse.Namespace, runs: Sequence[Run]) -> None:
-    """The time the unfinished runs need (a run is finished once trained and evaluated, for the depth map too
-    where a task has a needle): each model's own runs here where it has some, otherwise the first finished
-    model's, scaled by each model's cost relative to it on the perplexity board."""
+    """The time the unfinished runs need (a run is finished once trained and evaluated with these options, for
+    the depth map too where a task has a needle): each model's own runs here where it has some, otherwise the
+    first finished model's, scaled by each model's cost relative to it on the perplexity board."""
     here = {name: s for name, s in model_costs(args.out).items() if name in args.models}
-    finished = [r for r in runs if recorded_seconds(run_dir(args, *r)) is not None
-                and (not map_tasks(args) or (run_dir(args, *r) / MAP_RECORD).is_file())]
+    finished = [r for r in runs if recorded_seconds(run_dir(args, *r)) is not None and all(evaluated_so(args, *r))]
     left = [r for r in runs if r not in finished]
     if not here:
         stage(f"{len(runs)} runs to make; the cost of them all is said once the first is made")
@@ -192,25 +198,34 @@ def unranked_reasons(args: argparse.Namespace, runs: Sequence[Run], board: retri
                      task: str) -> Dict[str, str]:
     """Why a model whose every seed learned the tasks by its training checks is not ranked in ``task``, by
     model: the board's validation examples are below the criterion where the checks' test examples were not;
-    a rule it is evaluated with fails where its trained model, evaluated without it, does not; or its trained
-    model falls short there too."""
+    a rule it is evaluated with fails a seed whose trained model, evaluated without it, reaches the criterion;
+    or the trained model falls short at each seed both have. Seeds are compared one by one."""
     learned: Dict[str, List[bool]] = {}
     for name, seed in runs:
         record = json.loads((run_dir(args, name, seed) / "trained.json").read_text())
         learned.setdefault(name, []).append(bool(record["learned"]))
-    bar, at, on_board = f"{100 * args.criterion:g}%", f"L={args.train_length}", {e.name for e in board.entrants}
+    at_train = {e.name: dict(zip(e.seeds, board.accuracy[e.name, task, board.train_length])) for e in board.entrants}
+    bar, at = f"{100 * args.criterion:g}%", f"L={args.train_length}"
     reasons = {}
     for name, seeds in learned.items():
         if not all(seeds) or board.learned(name, task):
             continue
         rule, base = " ".join(POSITION_ENCODINGS[name].eval_flags), trained_as(name)
+        mine, theirs = at_train[name], at_train.get(base, {})
+        shared = [s for s in mine if s in theirs]
+        failed = [s for s in shared if mine[s] < args.criterion <= theirs[s]]
+        too = [s for s in shared if max(mine[s], theirs[s]) < args.criterion]
+
+        def which(seeds: List[int]) -> str:
+            return "" if seeds == list(mine) else f" at seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}"
         if not rule:
             reasons[name] = f"its training checks reached {bar} at {at}; the board's examples are below it"
-        elif base in on_board and board.learned(base, task):
-            reasons[name] = (f"its trained model, {POSITION_ENCODINGS[base].label}, reaches {bar} at {at}; "
-                             f"evaluated with {rule}, it does not")
-        elif base in on_board:
-            reasons[name] = f"its trained model, {POSITION_ENCODINGS[base].label}, is below {bar} at {at} here too"
+        elif failed:
+            reasons[name] = (f"its trained model, {POSITION_ENCODINGS[base].label}, reaches {bar} at {at}"
+                             f"{which(failed)}; evaluated with {rule}, it does not")
+        elif too:
+            reasons[name] = (f"its trained model, {POSITION_ENCODINGS[base].label}, is below {bar} at {at} here too"
+                             f"{which(too)}")
         else:
             reasons[name] = (f"its trained model learned the tasks; evaluated with {rule}, it does not reach "
                              f"{bar} at {at}")
