@@ -256,7 +256,7 @@ def test_an_unranked_model_whose_training_learned_the_tasks_is_given_the_reason(
     import argparse
 
     from kerple_fairseq.analysis.retrieval_board import Entrant, RetrievalBoard
-    from kerple_fairseq.experiments.retrieval_comparison import unranked_reasons
+    from kerple_fairseq.experiments.retrieval_comparison import trainings, unranked_reasons
     # every seed's training checks learned the tasks, but rotary+NTK's seed 2; leaky ReRoPE has a seed of its own
     seeds = {"rotary": [1, 2], "rotary_rerope": [1, 2], "rotary_ntk": [1, 2], "rotary_yarn": [1, 2], "alibi": [1],
              "rnope_swa": [1], "swan": [1], "rotary_leaky_rerope": [3]}
@@ -276,17 +276,17 @@ def test_an_unranked_model_whose_training_learned_the_tasks_is_given_the_reason(
     board = RetrievalBoard(64, ["copy", "passkey"], [64], [Entrant(n, n, "", s) for n, s in seeds.items()], 0.95,
                            0.97, {}, accuracy)
     args = argparse.Namespace(out=tmp_path, criterion=0.97, train_length=64)
-    runs = [(name, seed) for name, numbers in seeds.items() for seed in numbers]
+    trained = trainings(args, [(name, seed) for name, numbers in seeds.items() for seed in numbers])
     rerope = "--rotary-scaling rerope --model-overrides {'rerope_query_scale': 'log'}"
     leaky = ("its trained model learned the tasks; evaluated with --rotary-scaling leaky-rerope --model-overrides "
              "{'rerope_query_scale': 'log'}, it does not reach 97% at L=64")  # no seed of its own trained model here
-    assert unranked_reasons(args, runs, board, "copy") == {
+    assert unranked_reasons(args, trained, board, "copy") == {
         "rotary_rerope": f"its trained model, rotary, reaches 97% at L=64; evaluated with {rerope}, it does not",
         "swan": "its trained model, RNoPE-SWA, reaches 97% at L=64; evaluated with --model-overrides "
                 "{'swan_scaling': True}, it does not",
         "rotary_leaky_rerope": leaky}
     checks = "its training checks reached 97% at L=64; the board's examples are below it"
-    assert unranked_reasons(args, runs, board, "passkey") == {
+    assert unranked_reasons(args, trained, board, "passkey") == {
         "rotary": checks, "alibi": checks, "rotary_leaky_rerope": leaky,
         "rotary_rerope": f"its trained model, rotary, reaches 97% at L=64 at seed 2; evaluated with {rerope}, "
                          "it does not",

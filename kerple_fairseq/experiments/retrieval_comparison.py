@@ -176,14 +176,20 @@ def evaluated(args: argparse.Namespace, runs: Sequence[Run]) -> List[Run]:
     return [r for r in runs if (run_dir(args, *r) / SCORES).is_file() and (run_dir(args, *r) / RESULTS).is_file()]
 
 
-def training_outcomes(args: argparse.Namespace, runs: Sequence[Run]) -> Dict[str, str]:
-    """How each model's trainings ended, by model: the updates where each seed learned the tasks, or where it
-    stopped without (from the runs' records)."""
-    said: Dict[str, List[str]] = {}
+def trainings(args: argparse.Namespace, runs: Sequence[Run]) -> Dict[str, List[dict]]:
+    """The runs' training records (``trained.json``), by model, its seeds in the order of ``runs``."""
+    records: Dict[str, List[dict]] = {}
     for name, seed in runs:
-        record = json.loads((run_dir(args, name, seed) / "trained.json").read_text())
-        said.setdefault(name, []).append(f"{record['updates']}" if record["learned"] else f"not in {record['updates']}")
-    return {name: "updates to learn: " + ", ".join(texts) for name, texts in said.items()}
+        records.setdefault(name, []).append(json.loads((run_dir(args, name, seed) / "trained.json").read_text()))
+    return records
+
+
+def training_outcomes(trained: Dict[str, List[dict]]) -> Dict[str, str]:
+    """How each model's trainings ended, by model: the updates where each seed learned the tasks, or where it
+    stopped without."""
+    return {name: "updates to learn: " + ", ".join(f"{r['updates']}" if r["learned"] else f"not in {r['updates']}"
+                                                  for r in records)
+            for name, records in trained.items()}
 
 
 def trained_as(name: str) -> Optional[str]:
@@ -194,38 +200,37 @@ def trained_as(name: str) -> Optional[str]:
                 None)
 
 
-def unranked_reasons(args: argparse.Namespace, runs: Sequence[Run], board: retrieval_board.RetrievalBoard,
+def _at_seeds(seeds: List[int], every: List[int]) -> str:
+    """Nothing where ``seeds`` are all of ``every``, else which they are."""
+    return "" if seeds == every else f" at seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}"
+
+
+def unranked_reasons(args: argparse.Namespace, trained: Dict[str, List[dict]], board: retrieval_board.RetrievalBoard,
                      task: str) -> Dict[str, str]:
     """Why a model whose every seed learned the tasks by its training checks is not ranked in ``task``, by
     model: the board's validation examples are below the criterion where the checks' test examples were not;
     a rule it is evaluated with fails a seed whose trained model, evaluated without it, reaches the criterion;
-    or the trained model falls short at each seed both have. Seeds are compared one by one."""
-    learned: Dict[str, List[bool]] = {}
-    for name, seed in runs:
-        record = json.loads((run_dir(args, name, seed) / "trained.json").read_text())
-        learned.setdefault(name, []).append(bool(record["learned"]))
+    or the trained model falls short at each seed both have. Seeds are compared one by one; ``trained``: the
+    runs' :func:`trainings`."""
     at_train = {e.name: dict(zip(e.seeds, board.accuracy[e.name, task, board.train_length])) for e in board.entrants}
     bar, at = f"{100 * args.criterion:g}%", f"L={args.train_length}"
     reasons = {}
-    for name, seeds in learned.items():
-        if not all(seeds) or board.learned(name, task):
+    for name, records in trained.items():
+        if not all(r["learned"] for r in records) or board.learned(name, task):
             continue
         rule, base = " ".join(POSITION_ENCODINGS[name].eval_flags), trained_as(name)
         mine, theirs = at_train[name], at_train.get(base, {})
         shared = [s for s in mine if s in theirs]
         failed = [s for s in shared if mine[s] < args.criterion <= theirs[s]]
         too = [s for s in shared if max(mine[s], theirs[s]) < args.criterion]
-
-        def which(seeds: List[int]) -> str:
-            return "" if seeds == list(mine) else f" at seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}"
         if not rule:
             reasons[name] = f"its training checks reached {bar} at {at}; the board's examples are below it"
         elif failed:
             reasons[name] = (f"its trained model, {POSITION_ENCODINGS[base].label}, reaches {bar} at {at}"
-                             f"{which(failed)}; evaluated with {rule}, it does not")
+                             f"{_at_seeds(failed, list(mine))}; evaluated with {rule}, it does not")
         elif too:
             reasons[name] = (f"its trained model, {POSITION_ENCODINGS[base].label}, is below {bar} at {at} here too"
-                             f"{which(too)}")
+                             f"{_at_seeds(too, list(mine))}")
         else:
             reasons[name] = (f"its trained model learned the tasks; evaluated with {rule}, it does not reach "
                              f"{bar} at {at}")
@@ -249,7 +254,8 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
     chance = {(r["task"], r["length"]): r["chance"] for r in next(iter(records.values()))}
     board = retrieval_board.build(entrants, args.train_length, scores_of, chance, args.criterion)
     ppl_rank, labels = perplexity_ranks(args.perplexity_board), {e.name: e.label for e in entrants}
-    training = training_outcomes(args, evaluated(args, runs))
+    trained = trainings(args, evaluated(args, runs))
+    training = training_outcomes(trained)
     every = sorted({s for e in entrants for s in e.seeds})
     seconds = sum(sum(recorded_seconds(run_dir(args, *r)) or (0, 0)) for r in evaluated(args, runs))
     shared = sorted({POSITION_ENCODINGS[e.name].architecture for e in entrants if POSITION_ENCODINGS[e.name].eval_flags})
@@ -278,7 +284,7 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
             + f"Training and evaluation took {duration(seconds)} in all on this machine."]
     for task in board.tasks:
         text += ["", f"## {task}", "", retrieval_board.markdown(
-            board, task, ppl_rank, training, unranked_reasons(args, evaluated(args, runs), board, task))]
+            board, task, ppl_rank, training, unranked_reasons(args, trained, board, task))]
     for task in board.tasks:
         text += ["", f"## {task} at L={max(board.lengths)}, seed by seed", "",
                  retrieval_board.seed_markdown(board, task, max(board.lengths), labels)]
