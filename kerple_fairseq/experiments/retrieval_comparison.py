@@ -95,12 +95,19 @@ def evaluations(args: argparse.Namespace) -> List[bool]:
     return [False, True] if map_tasks(args) else [False]
 
 
-def evaluated_so(args: argparse.Namespace, name: str, seed: int) -> List[bool]:
-    """Whether each evaluation of :func:`evaluations` holds, with these options, for the run's checkpoint as recorded
-    (not read again)."""
+def evaluation_seconds(args: argparse.Namespace, name: str, seed: int) -> List[Optional[float]]:
+    """The seconds each evaluation of :func:`evaluations` took where it holds, with these options, for the
+    run's checkpoint as recorded (not read again); None for one to make."""
     checkpoint = training(args, name, seed).outputs[0]
-    return [evaluation(args, name, seed, checkpoint, depth_map)[0].finished(unchecked=("checkpoint",)) is not None
+    return [evaluation(args, name, seed, checkpoint, depth_map)[0].finished(unchecked=("checkpoint",))
             for depth_map in evaluations(args)]
+
+
+def seconds_spent(args: argparse.Namespace, name: str, seed: int) -> float:
+    """The seconds the run's steps that hold with these options took: what an unfinished run no longer needs."""
+    step = training(args, name, seed)
+    trained = Step(step.record, step.key, []).finished()
+    return 0.0 if trained is None else trained + sum(s for s in evaluation_seconds(args, name, seed) if s is not None)
 
 
 def kept(args: argparse.Namespace, name: str, seed: int) -> bool:
@@ -110,7 +117,7 @@ def kept(args: argparse.Namespace, name: str, seed: int) -> bool:
     step = training(args, name, seed)
     if step.outputs[0].is_file() or Step(step.record, step.key, []).finished() is None:
         return False
-    done = evaluated_so(args, name, seed)
+    done = [seconds is not None for seconds in evaluation_seconds(args, name, seed)]
     if done[0] and not all(done):
         raise UsageError(f"{name}-seed{seed} is kept without its checkpoint and has no depth map made with these "
                          f"--map-examples and --depth-bands: put its checkpoint_last.pt back in "
@@ -144,17 +151,20 @@ def train_and_evaluate(args: argparse.Namespace, name: str, seed: int) -> float:
 def say_cost(args: argparse.Namespace, runs: Sequence[Run]) -> None:
     """The time the unfinished runs need (a run is finished once trained and evaluated with these options, for
     the depth map too where a task has a needle): each model's own runs here where it has some, otherwise the
-    first finished model's, scaled by each model's cost relative to it on the perplexity board."""
+    first finished model's, scaled by each model's cost relative to it on the perplexity board; less what a
+    run's steps made already took (a run that lacks only its depth map needs the map)."""
     here = {name: s for name, s in model_costs(args.out).items() if name in args.models}
-    finished = [r for r in runs if recorded_seconds(run_dir(args, *r)) is not None and all(evaluated_so(args, *r))]
+    finished = [r for r in runs if recorded_seconds(run_dir(args, *r)) is not None
+                and None not in evaluation_seconds(args, *r)]
     left = [r for r in runs if r not in finished]
     if not here:
         stage(f"{len(runs)} runs to make; the cost of them all is said once the first is made")
         return
     measured = next(name for name, _ in runs if name in here)
     cost = estimate(left, measured, here, model_costs(args.perplexity_board) if args.perplexity_board else {})
+    needed = sum(max(0.0, seconds - seconds_spent(args, *r)) for r, seconds in cost.items())
     stage(f"cost: {len(finished)} of {len(runs)} runs are finished ({duration(sum(sum(recorded_seconds(run_dir(args, *r))) for r in finished))}); "
-          f"the other {len(left)} need about {hours(sum(cost.values()))} on this machine")
+          f"the other {len(left)} need about {hours(needed)} on this machine")
 
 
 def perplexity_ranks(board_dir: Optional[Path]) -> Dict[str, int]:
