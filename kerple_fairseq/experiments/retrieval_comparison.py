@@ -24,12 +24,11 @@ from kerple_fairseq.experiments.comparison import EVALUATION_RECORD
 from kerple_fairseq.experiments.finished_steps import Step, file_digest
 from kerple_fairseq.experiments.paths import SCRIPTS
 from kerple_fairseq.experiments.position_encodings import FAMILIES, POSITION_ENCODINGS
-from kerple_fairseq.experiments.run_cost import FURTHER_EVALUATION, estimate, model_costs, recorded_seconds
+from kerple_fairseq.experiments.run_cost import FURTHER_EVALUATION, Run, estimate, model_costs, recorded_seconds
 from kerple_fairseq.experiments.retrieval_training import train_to_criterion
 from kerple_fairseq.experiments.small_comparison import duration, hours, run, run_dir, stage, training_flags
 from kerple_fairseq.tasks.retrieval_sequences import COPY_SPAN, TASKS, Settings
 
-Run = Tuple[str, int]
 RESULTS, SCORES = "eval.json", "example-scores.npz"  # beside each run's records: what stands for it without its checkpoint
 BOARD, DEPTH_MAP = "retrieval-board", "retrieval-depth-map"
 #: the depth map's results and record beside each run's; its tasks, those with a needle (copying's source is
@@ -103,19 +102,24 @@ def evaluation_seconds(args: argparse.Namespace, name: str, seed: int) -> List[O
             for depth_map in evaluations(args)]
 
 
-def seconds_spent(args: argparse.Namespace, name: str, seed: int) -> float:
-    """The seconds the run's steps that hold with these options took: what an unfinished run no longer needs."""
+def training_seconds(args: argparse.Namespace, name: str, seed: int) -> Optional[float]:
+    """The seconds the run's training took where its record holds with these options, its checkpoint kept or not."""
     step = training(args, name, seed)
-    trained = Step(step.record, step.key, []).finished()
-    return 0.0 if trained is None else trained + sum(s for s in evaluation_seconds(args, name, seed) if s is not None)
+    return Step(step.record, step.key, []).finished()
+
+
+def step_seconds(args: argparse.Namespace, name: str, seed: int) -> List[Optional[float]]:
+    """The seconds each step of the run took where it holds with these options: its training, then each
+    evaluation of :func:`evaluations`; None for one to make (an evaluation counts only on a training that holds)."""
+    trained = training_seconds(args, name, seed)
+    return [trained, *(evaluation_seconds(args, name, seed) if trained is not None else [None] * len(evaluations(args)))]
 
 
 def kept(args: argparse.Namespace, name: str, seed: int) -> bool:
     """Whether the run is finished and kept without its checkpoint (committed, or copied from another machine);
     a :class:`UsageError` for one kept so whose board evaluation holds but whose depth map, with these options,
     is missing (made again, it would need the checkpoint, and training again would lose the run)."""
-    step = training(args, name, seed)
-    if step.outputs[0].is_file() or Step(step.record, step.key, []).finished() is None:
+    if training(args, name, seed).outputs[0].is_file() or training_seconds(args, name, seed) is None:
         return False
     done = [seconds is not None for seconds in evaluation_seconds(args, name, seed)]
     if done[0] and not all(done):
@@ -150,20 +154,25 @@ def train_and_evaluate(args: argparse.Namespace, name: str, seed: int) -> float:
 
 def say_cost(args: argparse.Namespace, runs: Sequence[Run]) -> None:
     """The time the unfinished runs need (a run is finished once trained and evaluated with these options, for
-    the depth map too where a task has a needle): each model's own runs here where it has some, otherwise the
-    first finished model's, scaled by each model's cost relative to it on the perplexity board; less what a
-    run's steps made already took (a run that lacks only its depth map needs the map)."""
-    here = {name: s for name, s in model_costs(args.out).items() if name in args.models}
-    finished = [r for r in runs if recorded_seconds(run_dir(args, *r)) is not None
-                and None not in evaluation_seconds(args, *r)]
+    the depth map too where a task has a needle): each model's own finished runs here where it has some,
+    otherwise the first finished model's, scaled by each model's cost relative to it on the perplexity board;
+    less what a run's steps made already took (a run that lacks only its depth map needs the map)."""
+    spent = {r: step_seconds(args, *r) for r in runs}
+    finished = [r for r in runs if None not in spent[r]]
     left = [r for r in runs if r not in finished]
+
+    def finished_seconds(run: Run, path: Path) -> Optional[Tuple[float, float]]:
+        seconds = (spent.get(run) or step_seconds(args, *run)) if run[0] in args.models else [None]
+        return None if None in seconds else (seconds[0], sum(seconds[1:]))
+
+    here = model_costs(args.out, finished_seconds)
     if not here:
         stage(f"{len(runs)} runs to make; the cost of them all is said once the first is made")
         return
     measured = next(name for name, _ in runs if name in here)
     cost = estimate(left, measured, here, model_costs(args.perplexity_board) if args.perplexity_board else {})
-    needed = sum(max(0.0, seconds - seconds_spent(args, *r)) for r, seconds in cost.items())
-    stage(f"cost: {len(finished)} of {len(runs)} runs are finished ({duration(sum(sum(recorded_seconds(run_dir(args, *r))) for r in finished))}); "
+    needed = sum(max(0.0, seconds - sum(s for s in spent[r] if s is not None)) for r, seconds in cost.items())
+    stage(f"cost: {len(finished)} of {len(runs)} runs are finished ({duration(sum(sum(spent[r]) for r in finished))}); "
           f"the other {len(left)} need about {hours(needed)} on this machine")
 
 

@@ -16,7 +16,7 @@ that the same command with a larger budget (or none) adds seeds and drops nothin
 import json
 import statistics
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from kerple_fairseq.experiments.comparison import EVALUATION_RECORD
 
@@ -52,11 +52,13 @@ def run_dirs(comparison: Path) -> Dict[Run, Path]:
     return runs
 
 
-def model_costs(comparison: Path) -> Dict[str, Seconds]:
-    """Each model's mean seconds of training and of evaluation over its finished runs in ``comparison``."""
+def model_costs(comparison: Path, finished: Callable[[Run, Path], Optional[Seconds]] = lambda run, path: recorded_seconds(path)
+                ) -> Dict[str, Seconds]:
+    """Each model's mean seconds of training and of evaluation over its runs in ``comparison`` that are
+    ``finished`` (by default, those with a record of each)."""
     by_model: Dict[str, List[Seconds]] = {}
-    for (name, _), path in run_dirs(comparison).items():
-        seconds = recorded_seconds(path)
+    for (name, seed), path in run_dirs(comparison).items():
+        seconds = finished((name, seed), path)
         if seconds is not None:
             by_model.setdefault(name, []).append(seconds)
     return {name: (statistics.mean(t for t, _ in s), statistics.mean(e for _, e in s)) for name, s in by_model.items()}
