@@ -24,7 +24,7 @@ from kerple_fairseq.experiments.comparison import EVALUATION_RECORD
 from kerple_fairseq.experiments.finished_steps import Step, file_digest
 from kerple_fairseq.experiments.paths import SCRIPTS
 from kerple_fairseq.experiments.position_encodings import FAMILIES, POSITION_ENCODINGS
-from kerple_fairseq.experiments.run_cost import FURTHER_EVALUATION, Run, estimate, model_costs, recorded_seconds
+from kerple_fairseq.experiments.run_cost import FURTHER_EVALUATION, Run, estimate, measured_model, model_costs, recorded_seconds
 from kerple_fairseq.experiments.retrieval_training import train_to_criterion
 from kerple_fairseq.experiments.small_comparison import duration, hours, run, run_dir, stage, training_flags
 from kerple_fairseq.tasks.retrieval_sequences import COPY_SPAN, TASKS, Settings
@@ -155,7 +155,7 @@ def train_and_evaluate(args: argparse.Namespace, name: str, seed: int) -> float:
 def say_cost(args: argparse.Namespace, runs: Sequence[Run]) -> None:
     """The time the unfinished runs need (a run is finished once trained and evaluated with these options, for
     the depth map too where a task has a needle): each model's own finished runs here where it has some,
-    otherwise the first finished model's, scaled by each model's cost relative to it on the perplexity board;
+    otherwise those of :func:`measured_model`, scaled by each model's cost relative to it on the perplexity board;
     less what a run's steps made already took (a run that lacks only its depth map needs the map)."""
     spent = {r: step_seconds(args, *r) for r in runs}
     finished = [r for r in runs if None not in spent[r]]
@@ -169,8 +169,8 @@ def say_cost(args: argparse.Namespace, runs: Sequence[Run]) -> None:
     if not here:
         stage(f"{len(runs)} runs to make; the cost of them all is said once the first is made")
         return
-    measured = next(name for name, _ in runs if name in here)
-    cost = estimate(left, measured, here, model_costs(args.perplexity_board) if args.perplexity_board else {})
+    relative = model_costs(args.perplexity_board) if args.perplexity_board else {}
+    cost = estimate(left, measured_model([name for name, _ in runs], here), here, relative)
     needed = sum(max(0.0, seconds - sum(s for s in spent[r] if s is not None)) for r, seconds in cost.items())
     stage(f"cost: {len(finished)} of {len(runs)} runs are finished ({duration(sum(sum(spent[r]) for r in finished))}); "
           f"the other {len(left)} need about {hours(needed)} on this machine")

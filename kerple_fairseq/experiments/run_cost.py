@@ -64,6 +64,14 @@ def model_costs(comparison: Path, finished: Callable[[Run, Path], Optional[Secon
     return {name: (statistics.mean(t for t, _ in s), statistics.mean(e for _, e in s)) for name, s in by_model.items()}
 
 
+def measured_model(names: Sequence[str], here: Dict[str, Seconds]) -> str:
+    """The model to scale the others' estimates from: the first of ``names`` measured ``here`` whose training took
+    time (one evaluated on another's checkpoint took none, and would price every training at nothing), else the
+    first measured."""
+    measured = [name for name in names if name in here]
+    return next((name for name in measured if here[name][0] > 0), measured[0])
+
+
 def estimate(runs: Sequence[Run], measured: str, here: Dict[str, Seconds], relative: Dict[str, Seconds]) -> Dict[Run, float]:
     """Each of ``runs`` in seconds: its model's mean training and evaluation seconds ``here`` where it has
     them; otherwise the ``measured`` model's here, each times the model's cost over the measured model's in
