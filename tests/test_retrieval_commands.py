@@ -3,6 +3,7 @@ against a brute-force scoring of the same examples, fairseq-eval-lm's loss of th
 plugin's (MQAR's answers, which padding separates, among them), one-line errors, and the retrieval
 comparison going on where it stopped and ranking runs kept without their checkpoints."""
 
+import csv
 import json
 import re
 
@@ -12,6 +13,7 @@ import torch
 
 from conftest import BIN, REPO, run
 from console_scripts import comparable, run_each_forked, run_forked
+from kerple_fairseq.evaluation.checkpoint_file import read_checkpoint
 from kerple_fairseq.evaluation.loading import load_language_model
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS
 from kerple_fairseq.tasks.retrieval_sequences import TASKS
@@ -121,6 +123,104 @@ def test_a_language_model_is_not_evaluated_as_retrieval():
     proc = kerple_eval(REPO / "tests" / "data" / "saved-checkpoints" / "alibi.pt", check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "was trained with --task language_modeling, not retrieval" in proc.stderr
+
+
+# --- kerple-analyze forget-gates ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fox_checkpoint(tmp_path_factory):
+    """FoX with two layers, trained for 10 updates on the three tasks."""
+    save_dir = tmp_path_factory.mktemp("retrieval-fox")
+    run([BIN / "fairseq-train", *USER_DIR, *TASK, "--arch", "transformer_lm_kerple", "--bias-kernel", "fox", *TINY,
+         "--decoder-layers", "2", "--max-tokens", "512", "--optimizer", "adam", "--lr", "0.003", "--max-update", "10",
+         "--cpu", "--seed", "2", "--num-workers", "0", "--disable-validation", "--no-epoch-checkpoints",
+         "--criterion", "cross_entropy", "--save-dir", save_dir, "--train-examples", "2000"])
+    return save_dir / "checkpoint_last.pt"
+
+
+def forget_gates(checkpoint, out, check=True):
+    return run_forked("kerple-analyze", ["forget-gates", "--path", checkpoint, "--labels", "fox", "--num-examples",
+                                         "6", "--out", out], REPO, check=check)
+
+
+def gate_examples(checkpoint):
+    """The model and, for each task, the 6 validation examples the command reads."""
+    model, task, _ = load_language_model(str(checkpoint), None)
+    return model.eval(), task, {name: [task.examples("valid", LENGTH, [name]).example(i) for i in range(6)]
+                                for name in TASKS}
+
+
+def kind_of(symbol):
+    return symbol if symbol.startswith("<") else {"c": "content", "d": "digit", "f": "filler"}[symbol[0]]
+
+
+@pytest.mark.slow  # a training and two analyses
+def test_forget_gates_against_a_direct_computation(fox_checkpoint, tmp_path):
+    """The first layer's mean log f at each kind of symbol against its gates applied by hand to the layer's
+    input (the scaled embedding, through the attention's LayerNorm where it comes first); then, with every gate
+    set to a constant per layer and head, each mean equal to the constant's log-sigmoid, the positions of each
+    kind counted, and each answer's source given the constant times its distance from the query."""
+    model, task, examples = gate_examples(fox_checkpoint)
+    forget_gates(fox_checkpoint, tmp_path / "trained")
+    rows = read_rows(tmp_path / "trained" / "forget-gates.csv")
+    decoder, first = model.decoder, model.decoder.layers[0]
+    assert decoder.embed_positions is None and decoder.layernorm_embedding is None
+    for name, drawn in examples.items():
+        sums = {}
+        for example in drawn:
+            tokens = torch.as_tensor(example.tokens[:-1])
+            with torch.no_grad():
+                x = decoder.embed_scale * decoder.embed_tokens(tokens)
+                x = first.self_attn_layer_norm(x) if first.normalize_before else x
+                log_f = torch.nn.functional.logsigmoid(first.self_attn.layer_bias.gate(x)).double()
+            for position, token in enumerate(tokens.tolist()):
+                sums.setdefault(kind_of(task.dictionary[token]), []).append(log_f[position])
+        for kind, values in sums.items():
+            expected = torch.stack(values).mean(dim=0)
+            for head in range(2):
+                assert float(rows[name, 1, head + 1, kind]["mean_log_forget"]) == pytest.approx(float(expected[head]),
+                                                                                                 abs=1e-5)
+    state = read_checkpoint(str(fox_checkpoint))
+    constants = torch.tensor([[-2.0, -0.5], [0.5, 3.0]])  # layer, head
+    for layer in range(2):
+        state["model"][f"decoder.layers.{layer}.self_attn.layer_bias.gate.weight"].zero_()
+        state["model"][f"decoder.layers.{layer}.self_attn.layer_bias.gate.bias"].copy_(constants[layer])
+    fixed = tmp_path / "fixed" / "checkpoint_last.pt"
+    fixed.parent.mkdir()
+    torch.save(state, fixed)
+    forget_gates(fixed, tmp_path / "fixed-out")
+    rows = read_rows(tmp_path / "fixed-out" / "forget-gates.csv")
+    found = json.loads((tmp_path / "fixed-out" / "forget-gates.json").read_text())["fox"]["tasks"]
+    log_f = torch.nn.functional.logsigmoid(constants.double()).numpy()
+    for name, drawn in examples.items():
+        counts = {}
+        for example in drawn:
+            for token in example.tokens[:-1]:
+                counts[kind_of(task.dictionary[token])] = counts.get(kind_of(task.dictionary[token]), 0) + 1
+        assert found[name]["positions"] == counts
+        for kind in counts:
+            for layer, head in ((0, 0), (0, 1), (1, 0), (1, 1)):
+                row = rows[name, layer + 1, head + 1, kind]
+                assert int(row["positions"]) == counts[kind]
+                assert float(row["mean_log_forget"]) == pytest.approx(log_f[layer, head], abs=1e-6)
+        distances = [query - source for example in drawn for query, source in zip(example.answers, example.sources)]
+        np.testing.assert_allclose(found[name]["source_bias_median"], np.median(distances) * log_f, atol=1e-5)
+
+
+def read_rows(path):
+    with open(path, newline="") as f:
+        return {(r["task"], int(r["layer"]), int(r["head"]), r["kind"]): r for r in csv.DictReader(f)}
+
+
+def test_forget_gates_refuse_a_model_without_them_in_one_line(checkpoint, tmp_path):
+    for path, message in ((checkpoint, "has no forget gates in its layers (a FoX model has)"),
+                          (REPO / "tests" / "data" / "saved-checkpoints" / "alibi.pt",
+                           "was trained with --task language_modeling: forget-gates reads the examples of --task "
+                           "retrieval")):
+        proc = forget_gates(path, tmp_path / "out", check=False)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr[-2000:]
+        assert not (tmp_path / "out").exists()
 
 
 TRAIN_ERRORS = [

@@ -5,13 +5,14 @@
     kerple-analyze position-wise    DATA --path A.pt B.pt --length 2048 [--windowed-reference]
     kerple-analyze receptive-field  DATA --path A.pt B.pt --length 2048 [--num-segments 32] [--mass 0.99]
     kerple-analyze attention        DATA --path A.pt B.pt --length 2048 [--num-segments 4]
+    kerple-analyze forget-gates     --path FOX.pt [--length 64] [--num-examples 100]
     kerple-analyze compare          --path A.npz B.npz [--protocol P] [--lengths L ...] [--samples 1000]
     kerple-analyze extrapolation    --path A.json B.json [--train-length L]
 
 ``compare`` and ``extrapolation`` take several training runs (seeds) of a model under one label:
 ``--path a1 a2 b1 b2 --labels A A B B``.
 
-Each writes ``<out>/<analysis>.csv`` (and ``receptive-field.json``) and, with matplotlib
+Each writes ``<out>/<analysis>.csv`` (and ``receptive-field.json``, ``forget-gates.json``) and, with matplotlib
 installed (the ``plots`` extra), ``<out>/<analysis>.png``; ``compare`` reads the files of
 ``kerple-eval-lm --per-token`` and writes ``<out>/compare.json``, ``extrapolation`` reads those of
 ``--results-json``: neither runs a model.
@@ -20,8 +21,8 @@ installed (the ``plots`` extra), ``<out>/<analysis>.png``; ``compare`` reads the
 import argparse
 import sys
 
-from kerple_fairseq.analysis.commands import (attention, compare, effective_length, extrapolation, kernels,
-                                              position_wise, receptive_field)
+from kerple_fairseq.analysis.commands import (attention, compare, effective_length, extrapolation, forget_gates,
+                                              kernels, position_wise, receptive_field)
 from kerple_fairseq.analysis.commands.shared import PROG, check_arguments
 from kerple_fairseq.errors import KernelConfigError, UsageError
 
@@ -32,6 +33,7 @@ ANALYSES = {
     "position-wise": position_wise.COMMAND,
     "receptive-field": receptive_field.COMMAND,
     "attention": attention.COMMAND,
+    "forget-gates": forget_gates.COMMAND,
     "compare": compare.COMMAND,
     "extrapolation": extrapolation.COMMAND,
 }
