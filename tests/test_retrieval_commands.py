@@ -156,30 +156,42 @@ def kind_of(symbol):
 
 @pytest.mark.slow  # a training and two analyses
 def test_forget_gates_against_a_direct_computation(fox_checkpoint, tmp_path):
-    """The first layer's mean log f at each kind of symbol against its gates applied by hand to the layer's
-    input (the scaled embedding, through the attention's LayerNorm where it comes first); then, with every gate
-    set to a constant per layer and head, each mean equal to the constant's log-sigmoid, the positions of each
-    kind counted, and each answer's source given the constant times its distance from the query."""
+    """Each layer's mean log f at each kind of symbol, and the median bias of the answers' sources, against the
+    layer's gates applied by hand to its input (the first layer's: the scaled embedding; the second's: what the
+    first layer outputs; each through the attention's LayerNorm where it comes first) and summed over the
+    positions after each source up to its query; then, with every gate set to a constant per layer and head,
+    each mean equal to the constant's log-sigmoid, the positions of each kind counted, and each answer's source
+    given the constant times its distance from the query."""
     model, task, examples = gate_examples(fox_checkpoint)
     forget_gates(fox_checkpoint, tmp_path / "trained")
     rows = read_rows(tmp_path / "trained" / "forget-gates.csv")
-    decoder, first = model.decoder, model.decoder.layers[0]
+    found = json.loads((tmp_path / "trained" / "forget-gates.json").read_text())["fox"]["tasks"]
+    decoder = model.decoder
     assert decoder.embed_positions is None and decoder.layernorm_embedding is None
+    outputs = []
+    hook = decoder.layers[0].register_forward_hook(lambda module, args, output: outputs.append(output[0]))
     for name, drawn in examples.items():
-        sums = {}
+        by_kind, source_bias = {}, []
         for example in drawn:
             tokens = torch.as_tensor(example.tokens[:-1])
+            outputs.clear()
             with torch.no_grad():
-                x = decoder.embed_scale * decoder.embed_tokens(tokens)
-                x = first.self_attn_layer_norm(x) if first.normalize_before else x
-                log_f = torch.nn.functional.logsigmoid(first.self_attn.layer_bias.gate(x)).double()
+                model(tokens[None, :])
+                log_f = []
+                for layer, x in zip(decoder.layers, (decoder.embed_scale * decoder.embed_tokens(tokens), outputs[0][:, 0])):
+                    x = layer.self_attn_layer_norm(x) if layer.normalize_before else x
+                    log_f.append(torch.nn.functional.logsigmoid(layer.self_attn.layer_bias.gate(x)).double())
             for position, token in enumerate(tokens.tolist()):
-                sums.setdefault(kind_of(task.dictionary[token]), []).append(log_f[position])
-        for kind, values in sums.items():
-            expected = torch.stack(values).mean(dim=0)
-            for head in range(2):
-                assert float(rows[name, 1, head + 1, kind]["mean_log_forget"]) == pytest.approx(float(expected[head]),
-                                                                                                 abs=1e-5)
+                by_kind.setdefault(kind_of(task.dictionary[token]), []).append([f[position] for f in log_f])
+            source_bias.extend([f[source + 1:query + 1].sum(dim=0).numpy() for f in log_f]
+                               for query, source in zip(example.answers, example.sources))
+        for kind, values in by_kind.items():
+            expected = torch.stack([torch.stack(v) for v in values]).mean(dim=0)  # [layers, heads]
+            for layer, head in ((0, 0), (0, 1), (1, 0), (1, 1)):
+                mean = float(rows[name, layer + 1, head + 1, kind]["mean_log_forget"])
+                assert mean == pytest.approx(float(expected[layer, head]), abs=1e-5)
+        np.testing.assert_allclose(found[name]["source_bias_median"], np.median(source_bias, axis=0), atol=1e-4)
+    hook.remove()
     state = read_checkpoint(str(fox_checkpoint))
     constants = torch.tensor([[-2.0, -0.5], [0.5, 3.0]])  # layer, head
     for layer in range(2):
@@ -197,11 +209,11 @@ def test_forget_gates_against_a_direct_computation(fox_checkpoint, tmp_path):
         for example in drawn:
             for token in example.tokens[:-1]:
                 counts[kind_of(task.dictionary[token])] = counts.get(kind_of(task.dictionary[token]), 0) + 1
-        assert found[name]["positions"] == counts
+        assert found[name]["count"] == counts
         for kind in counts:
             for layer, head in ((0, 0), (0, 1), (1, 0), (1, 1)):
                 row = rows[name, layer + 1, head + 1, kind]
-                assert int(row["positions"]) == counts[kind]
+                assert int(row["count"]) == counts[kind]
                 assert float(row["mean_log_forget"]) == pytest.approx(log_f[layer, head], abs=1e-6)
         distances = [query - source for example in drawn for query, source in zip(example.answers, example.sources)]
         np.testing.assert_allclose(found[name]["source_bias_median"], np.median(distances) * log_f, atol=1e-5)
@@ -215,8 +227,8 @@ def read_rows(path):
 def test_forget_gates_refuse_a_model_without_them_in_one_line(checkpoint, tmp_path):
     for path, message in ((checkpoint, "has no forget gates in its layers (a FoX model has)"),
                           (REPO / "tests" / "data" / "saved-checkpoints" / "alibi.pt",
-                           "was trained with --task language_modeling: forget-gates reads the examples of --task "
-                           "retrieval")):
+                           "was trained with --task language_modeling, not retrieval: forget-gates reads the "
+                           "retrieval tasks' examples")):
         proc = forget_gates(path, tmp_path / "out", check=False)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
         assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr, proc.stderr[-2000:]

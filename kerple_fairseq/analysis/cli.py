@@ -13,7 +13,7 @@
 ``--path a1 a2 b1 b2 --labels A A B B``.
 
 Each writes ``<out>/<analysis>.csv`` (and ``receptive-field.json``, ``forget-gates.json``) and, with matplotlib
-installed (the ``plots`` extra), ``<out>/<analysis>.png``; ``compare`` reads the files of
+installed (the ``plots`` extra), ``<out>/<analysis>.png`` (``forget-gates`` draws none); ``compare`` reads the files of
 ``kerple-eval-lm --per-token`` and writes ``<out>/compare.json``, ``extrapolation`` reads those of
 ``--results-json``: neither runs a model.
 """

@@ -17,6 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kerple_core.layer_biases.fox import ForgetGates
+from kerple_core.precision import precise
+from kerple_fairseq.analysis.layer_bias_curves import keep_attention_inputs
+from kerple_fairseq.errors import UsageError
 from kerple_fairseq.tasks.retrieval_sequences import MARKERS
 
 
@@ -24,7 +27,7 @@ from kerple_fairseq.tasks.retrieval_sequences import MARKERS
 class ForgetGateReading:
     task: str
     mean_log_forget: Dict[str, np.ndarray]  # [layers, heads] mean log f at each kind of symbol
-    positions: Dict[str, int]  # how many positions of each kind the means are over
+    count: Dict[str, int]  # how many positions of each kind the means are over
     source_bias: np.ndarray  # [layers, heads]: median over the answers of the bias of its source from its query
 
 
@@ -34,46 +37,44 @@ def symbol_kind(symbol: str) -> str:
 
 
 def forget_gates_of(model) -> List[ForgetGates]:
-    """Each layer's forget gates, or a ValueError for a model whose layers have none."""
+    """Each layer's forget gates; a :class:`UsageError` for a model whose layers have none."""
     gates = [getattr(layer.self_attn, "layer_bias", None) for layer in model.decoder.layers]
     if not all(isinstance(g, ForgetGates) for g in gates):
-        raise ValueError("the model has no forget gates in its layers (a FoX model has): nothing to read")
+        raise UsageError("the model has no forget gates in its layers (a FoX model has): nothing to read")
     return gates
 
 
-def log_forget(model, tokens: Tensor) -> List[Tensor]:
+def log_forget(model, gates: List[ForgetGates], tokens: Tensor) -> List[Tensor]:
     """Each layer's ``log f`` ``[T, heads]`` (float64) for one example's ``tokens`` ``[T]``, from the inputs its
-    attention gets in a forward pass."""
-    gates, inputs = forget_gates_of(model), []
-
-    def keep_input(module, args, kwargs):
-        inputs.append(kwargs["query"] if "query" in kwargs else args[0])
-
-    handles = [layer.self_attn.register_forward_pre_hook(keep_input, with_kwargs=True) for layer in model.decoder.layers]
+    attention gets in a forward pass, in the precision the layer computes it in."""
+    inputs, hooks = keep_attention_inputs(model)
     try:
         with torch.no_grad():
             model(tokens[None, :])
-            return [F.logsigmoid(g.gate_logits(x).float())[0].T.double() for g, x in zip(gates, inputs)]
+            logits = [g.gate_logits(x[0]) for g, x in zip(gates, inputs)]
     finally:
-        for handle in handles:
-            handle.remove()
+        for hook in hooks:
+            hook.remove()
+    return [F.logsigmoid(z.to(precise(z.dtype)))[0].T.double() for z in logits]
 
 
 def read_forget_gates(model, dataset, dictionary, num_examples: int) -> ForgetGateReading:
-    """The gates of ``model`` over the first ``num_examples`` of a retrieval ``dataset`` of one task."""
+    """The gates of ``model`` (:func:`forget_gates_of`) over the first ``num_examples`` of a retrieval ``dataset``
+    of one task."""
+    gates = forget_gates_of(model)
     sums: Dict[str, Tensor] = {}
-    positions: Dict[str, int] = {}
+    count: Dict[str, int] = {}
     source_bias = []
     for index in range(num_examples):
         example = dataset.example(index)
         tokens = torch.as_tensor(example.tokens[:-1])  # the target of the last position is not an input
-        per_layer = torch.stack(log_forget(model, tokens))  # [layers, T, heads]
+        per_layer = torch.stack(log_forget(model, gates, tokens))  # [layers, T, heads]
         kinds = [symbol_kind(dictionary[t]) for t in tokens.tolist()]
         for kind in set(kinds):
             at = torch.tensor([k == kind for k in kinds])
             sums[kind] = sums.get(kind, 0) + per_layer[:, at].sum(dim=1)
-            positions[kind] = positions.get(kind, 0) + int(at.sum())
+            count[kind] = count.get(kind, 0) + int(at.sum())
         running = per_layer.cumsum(dim=1)
         source_bias.extend(running[:, query] - running[:, source] for query, source in zip(example.answers, example.sources))
-    return ForgetGateReading(dataset.tasks[0], {k: (s / positions[k]).numpy() for k, s in sorted(sums.items())},
-                             dict(sorted(positions.items())), np.median(torch.stack(source_bias).numpy(), axis=0))
+    return ForgetGateReading(dataset.tasks[0], {k: (s / count[k]).numpy() for k, s in sorted(sums.items())},
+                             dict(sorted(count.items())), np.median(torch.stack(source_bias).numpy(), axis=0))

@@ -82,6 +82,14 @@ def layer_inputs(path: str, data: str, split: str) -> List[torch.Tensor]:
     model.eval()
     stream = token_stream(task, data, split)[:CURVE_TOKENS]
     length = cfg.task.tokens_per_sample
+    captured, hooks = keep_attention_inputs(model)
+    run_in_segments(model, stream, length, hooks, f"the {split} split of {data}")
+    return [torch.cat(pieces) for pieces in captured]
+
+
+def keep_attention_inputs(model) -> Tuple[List[List[torch.Tensor]], list]:
+    """Where each layer's attention inputs ``[T, batch, embed_dim]`` are kept, one list per layer, as forward
+    passes of ``model`` give them; and the hooks that keep them, to remove when done."""
     captured = [[] for _ in model.decoder.layers]
 
     def capture(n):
@@ -89,10 +97,8 @@ def layer_inputs(path: str, data: str, split: str) -> List[torch.Tensor]:
             captured[n].append(kwargs["query"] if "query" in kwargs else args[0])
         return hook
 
-    hooks = [layer.self_attn.register_forward_pre_hook(capture(n), with_kwargs=True)
-             for n, layer in enumerate(model.decoder.layers)]
-    run_in_segments(model, stream, length, hooks, f"the {split} split of {data}")
-    return [torch.cat(pieces) for pieces in captured]
+    return captured, [layer.self_attn.register_forward_pre_hook(capture(n), with_kwargs=True)
+                      for n, layer in enumerate(model.decoder.layers)]
 
 
 def run_in_segments(model, stream: torch.Tensor, length: int, hooks, source: str) -> None:

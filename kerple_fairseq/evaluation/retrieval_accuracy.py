@@ -123,13 +123,19 @@ def score(model, dataset, device, max_tokens: int) -> Answers:
     return Answers.concatenate(parts)
 
 
+def retrieval_training(path: str, otherwise: str) -> dict:
+    """The task options the checkpoint at ``path`` was trained with, if on the retrieval task; else one line
+    ending in ``otherwise`` (what to do instead)."""
+    saved = load_checkpoint_state(path)["cfg"]["task"]
+    if saved.get("_name") != NAME:
+        raise UsageError(f"{path} was trained with --task {saved.get('_name')}, not {NAME}: {otherwise}")
+    return saved
+
+
 def check_checkpoint_task(path: str, task_cfg) -> None:
     """One line unless the checkpoint at ``path`` was trained on the retrieval task with the dictionary
     ``task_cfg`` builds."""
-    saved = load_checkpoint_state(path)["cfg"]["task"]
-    if saved.get("_name") != NAME:
-        raise UsageError(f"{path} was trained with --task {saved.get('_name')}, not {NAME}: evaluate it on its data-bin "
-                         "without --task retrieval")
+    saved = retrieval_training(path, "evaluate it on its data-bin without --task retrieval")
     differ = [option for option in DICTIONARY_OPTIONS if saved.get(option) != task_cfg.get(option)]
     if differ:
         flags = " ".join(f"--{o.replace('_', '-')} {saved.get(o)}" for o in DICTIONARY_OPTIONS)

@@ -161,7 +161,7 @@ def say_cost(args: argparse.Namespace, runs: Sequence[Run]) -> None:
     finished = [r for r in runs if None not in spent[r]]
     left = [r for r in runs if r not in finished]
 
-    def finished_seconds(run: Run, path: Path) -> Optional[Tuple[float, float]]:
+    def finished_seconds(run: Run, _: Path) -> Optional[Tuple[float, float]]:
         seconds = (spent.get(run) or step_seconds(args, *run)) if run[0] in args.models else [None]
         return None if None in seconds else (seconds[0], sum(seconds[1:]))
 
@@ -170,7 +170,8 @@ def say_cost(args: argparse.Namespace, runs: Sequence[Run]) -> None:
         stage(f"{len(runs)} runs to make; the cost of them all is said once the first is made")
         return
     relative = model_costs(args.perplexity_board) if args.perplexity_board else {}
-    cost = estimate(left, measured_model([name for name, _ in runs], here), here, relative)
+    measured = measured_model([name for name, _ in runs], here, lambda name: trained_as(name) in (name, None))
+    cost = estimate(left, measured, here, relative)
     needed = sum(max(0.0, seconds - sum(s for s in spent[r] if s is not None)) for r, seconds in cost.items())
     stage(f"cost: {len(finished)} of {len(runs)} runs are finished ({duration(sum(sum(spent[r]) for r in finished))}); "
           f"the other {len(left)} need about {hours(needed)} on this machine")

@@ -1,7 +1,7 @@
 """What a comparison's runs will cost before they run, and which seeds fit a budget of hours.
 
-The estimate starts from one run measured on this machine at this comparison's settings (its first
-model's first seed) and scales it, training and evaluation apart, by each model's cost relative to
+The estimate starts from one model's runs measured on this machine at this comparison's settings (the
+first model's, or the first that trains a model of its own) and scales them, training and evaluation apart, by each model's cost relative to
 that model in another comparison's records (the same models at another training length, where there
 is one; otherwise every model costs what the measured one did). A model evaluated on another's
 checkpoint (a rotary scaling) costs no training wherever it cost none there. A model already run at
@@ -52,24 +52,25 @@ def run_dirs(comparison: Path) -> Dict[Run, Path]:
     return runs
 
 
-def model_costs(comparison: Path, finished: Callable[[Run, Path], Optional[Seconds]] = lambda run, path: recorded_seconds(path)
+def model_costs(comparison: Path, seconds_of: Callable[[Run, Path], Optional[Seconds]] = lambda run, path: recorded_seconds(path)
                 ) -> Dict[str, Seconds]:
-    """Each model's mean seconds of training and of evaluation over its runs in ``comparison`` that are
-    ``finished`` (by default, those with a record of each)."""
+    """Each model's mean seconds of training and of evaluation over its finished runs in ``comparison``, as
+    ``seconds_of`` gives them for a run and its directory (None for one unfinished; by default, the records'
+    seconds where it has a record of each)."""
     by_model: Dict[str, List[Seconds]] = {}
     for (name, seed), path in run_dirs(comparison).items():
-        seconds = finished((name, seed), path)
+        seconds = seconds_of((name, seed), path)
         if seconds is not None:
             by_model.setdefault(name, []).append(seconds)
     return {name: (statistics.mean(t for t, _ in s), statistics.mean(e for _, e in s)) for name, s in by_model.items()}
 
 
-def measured_model(names: Sequence[str], here: Dict[str, Seconds]) -> str:
-    """The model to scale the others' estimates from: the first of ``names`` measured ``here`` whose training took
-    time (one evaluated on another's checkpoint took none, and would price every training at nothing), else the
-    first measured."""
+def measured_model(names: Sequence[str], here: Dict[str, Seconds], trains: Callable[[str], bool]) -> str:
+    """The model to scale the others' estimates from: the first of ``names`` measured ``here`` that ``trains`` a
+    model of its own (one evaluated on another's checkpoint records next to no training, and would price every
+    training at nothing), else the first measured."""
     measured = [name for name in names if name in here]
-    return next((name for name in measured if here[name][0] > 0), measured[0])
+    return next((name for name in measured if trains(name)), measured[0])
 
 
 def estimate(runs: Sequence[Run], measured: str, here: Dict[str, Seconds], relative: Dict[str, Seconds]) -> Dict[Run, float]:

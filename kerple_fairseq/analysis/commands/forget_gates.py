@@ -5,11 +5,11 @@ head's mean log f by kind of symbol) and ``forget-gates.json`` (with the bias ea
 import os
 
 from kerple_fairseq.analysis.commands.shared import Command, checkpoint_inputs
-from kerple_fairseq.analysis.forget_gates import read_forget_gates
+from kerple_fairseq.analysis.forget_gates import forget_gates_of, read_forget_gates
 from kerple_fairseq.analysis.output_files import write_csv, write_json
-from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation.cli import positive_int
-from kerple_fairseq.evaluation.loading import load_checkpoint_state, load_language_model
+from kerple_fairseq.evaluation.loading import load_language_model
+from kerple_fairseq.evaluation.retrieval_accuracy import retrieval_training
 from kerple_fairseq.tasks import retrieval
 
 
@@ -26,26 +26,20 @@ def add_parser(subcommands, name: str) -> None:
 def run(args, labels, out: str) -> None:
     rows, summary = [], {}
     for path, label in zip(args.path, labels):
-        trained_on = load_checkpoint_state(path)["cfg"]["task"].get("_name")
-        if trained_on != retrieval.NAME:
-            raise UsageError(f"{path} was trained with --task {trained_on}: forget-gates reads the examples of "
-                             f"--task {retrieval.NAME}; give a checkpoint trained on them")
+        retrieval_training(path, "forget-gates reads the retrieval tasks' examples: give a FoX model trained on them")
         model, task, cfg = load_language_model(path, None)
         length = args.length or cfg.task.tokens_per_sample
         retrieval.check_lengths(task.settings, task.task_names, [length], "--length")
+        forget_gates_of(model)
         model.eval()
         summary[label] = {"checkpoint": path, "length": length, "examples": args.num_examples, "tasks": {}}
         for name in task.task_names:
-            try:
-                found = read_forget_gates(model, task.examples("valid", length, [name]), task.dictionary,
-                                          args.num_examples)
-            except ValueError as e:
-                raise UsageError(f"{path}: {e}") from e
+            found = read_forget_gates(model, task.examples("valid", length, [name]), task.dictionary, args.num_examples)
             for kind, means in found.mean_log_forget.items():
-                rows.extend((label, name, layer + 1, head + 1, kind, found.positions[kind], repr(float(m)))
+                rows.extend((label, name, layer + 1, head + 1, kind, found.count[kind], repr(float(m)))
                             for layer, per_head in enumerate(means) for head, m in enumerate(per_head))
             summary[label]["tasks"][name] = {
-                "positions": found.positions,
+                "count": found.count,
                 "mean_log_forget": {kind: means.tolist() for kind, means in found.mean_log_forget.items()},
                 "source_bias_median": found.source_bias.tolist()}
             for layer, bias in enumerate(found.source_bias):
@@ -54,7 +48,7 @@ def run(args, labels, out: str) -> None:
                       + " ".join(f"{b:.2f}" for b in bias) + "; lowest mean log f: "
                       + ", ".join(f"{k} {found.mean_log_forget[k][layer].mean():.3f}" for k in lowest))
     write_csv(os.path.join(out, "forget-gates.csv"),
-              ["model", "task", "layer", "head", "kind", "positions", "mean_log_forget"], rows)
+              ["model", "task", "layer", "head", "kind", "count", "mean_log_forget"], rows)
     write_json(os.path.join(out, "forget-gates.json"), summary)
 
 
