@@ -66,6 +66,9 @@ def parse_args(argv=None):
     p.add_argument("--perplexity-board", type=Path, default=PERPLEXITY_BOARD, metavar="DIR",
                    help="a perplexity board's --out: each model's rank there is shown beside its accuracy, and its "
                    "runs' relative costs scale the estimate (default: results/leaderboard)")
+    p.add_argument("--board-only", action="store_true",
+                   help="write the board and its depth map from the runs of --models and --seeds already trained and "
+                   "evaluated in --out, training and evaluating nothing: the board of a comparison still under way")
     return p.parse_args(argv)
 
 

@@ -26,7 +26,7 @@ from kerple_fairseq.experiments.paths import SCRIPTS
 from kerple_fairseq.experiments.position_encodings import FAMILIES, POSITION_ENCODINGS
 from kerple_fairseq.experiments.run_cost import FURTHER_EVALUATION, Run, estimate, measured_model, model_costs, recorded_seconds
 from kerple_fairseq.experiments.retrieval_training import train_to_criterion
-from kerple_fairseq.experiments.small_comparison import duration, hours, run, run_dir, stage, training_flags
+from kerple_fairseq.experiments.small_comparison import duration, hours, run, run_dir, seed_words, stage, training_flags
 from kerple_fairseq.tasks.retrieval_sequences import COPY_SPAN, TASKS, Settings
 
 RESULTS, SCORES = "eval.json", "example-scores.npz"  # beside each run's records: what stands for it without its checkpoint
@@ -220,9 +220,24 @@ def trained_as(name: str) -> Optional[str]:
                 None)
 
 
+def seeds_by_model(entrants: Sequence[retrieval_board.Entrant]) -> List[str]:
+    """Where the models were not all run at the same seeds, a paragraph saying which were run at which; else none."""
+    groups: Dict[Tuple[int, ...], List[str]] = {}
+    for e in entrants:
+        groups.setdefault(tuple(e.seeds), []).append(e.label)
+    if len(groups) == 1:
+        return []
+    common = max(groups, key=lambda seeds: len(groups[seeds]))
+    return [f"Not every model is at every seed: {len(groups[common])} at {seed_words(common)}; "
+            + "; ".join(f"{', '.join(labels)} at {seed_words(seeds)}" for seeds, labels in groups.items()
+                        if seeds != common)
+            + ". A model's mean is over its own seeds; each paired comparison is over the seeds it shares with its "
+            "reference.", ""]
+
+
 def _at_seeds(seeds: List[int], every: List[int]) -> str:
     """Nothing where ``seeds`` are all of ``every``, else which they are."""
-    return "" if seeds == every else f" at seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}"
+    return "" if seeds == every else f" at {seed_words(seeds)}"
 
 
 def unranked_reasons(args: argparse.Namespace, trained: Dict[str, List[dict]], board: retrieval_board.RetrievalBoard,
@@ -279,8 +294,8 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
     every = sorted({s for e in entrants for s in e.seeds})
     seconds = sum(sum(recorded_seconds(run_dir(args, *r)) or (0, 0)) for r in evaluated(args, runs))
     shared = sorted({POSITION_ENCODINGS[e.name].architecture for e in entrants if POSITION_ENCODINGS[e.name].eval_flags})
-    text = [f"# Retrieval board: {len(entrants)} position encodings, seed{'s' * (len(every) > 1)} "
-            f"{', '.join(map(str, every))}", "",
+    text = [f"# Retrieval board: {len(entrants)} position encodings, {seed_words(every)}", "",
+            *seeds_by_model(entrants),
             f"Whole-answer accuracy (%) (an MQAR value, the passkey's {SETTINGS.passkey_digits} digits together, a "
             f"span of {COPY_SPAN} copied tokens), per-token accuracy in brackets, mean ± sample standard deviation "
             f"over the seeds, {args.examples} validation examples of each task at each length. Trained at "
@@ -360,15 +375,28 @@ def write_depth_map(args: argparse.Namespace, entrants: Sequence[retrieval_board
         stage(str(e))
 
 
-def compare(args: argparse.Namespace) -> None:
-    """Every run of ``args.models`` by ``args.seeds`` (each model's first seed before any second), then the board."""
-    started = time.time()
-    runs = [(name, seed) for seed in args.seeds for name in args.models]
+def make_runs(args: argparse.Namespace, runs: Sequence[Run]) -> None:
+    """Train and evaluate each of ``runs`` where it is not finished, saying the cost left as it goes."""
     say_cost(args, runs)
     for k, (name, seed) in enumerate(runs):
         spent = train_and_evaluate(args, name, seed)
         if spent and k + 1 < len(runs):
             say_cost(args, runs)
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Every run of ``args.models`` by ``args.seeds`` (each model's first seed before any second), then the board;
+    with ``args.board_only``, the board of those runs finished already, nothing made."""
+    started = time.time()
+    runs = [(name, seed) for seed in args.seeds for name in args.models]
+    if args.board_only:
+        runs = [r for r in runs if None not in step_seconds(args, *r)]
+        if not runs:
+            raise UsageError(f"--board-only: no run of these --models and --seeds is trained and evaluated with "
+                             f"these options in {args.out}")
+        stage(f"{len(runs)} finished runs on the board; nothing trained or evaluated")
+    else:
+        make_runs(args, runs)
     args.out.mkdir(parents=True, exist_ok=True)
     stage(f"the retrieval board: {args.out / BOARD}.md (.csv, .png)"
           + (f"; its depth map: {args.out / DEPTH_MAP}.md (.png)" if map_tasks(args) else ""))

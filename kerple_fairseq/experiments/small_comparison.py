@@ -45,6 +45,11 @@ WITHOUT_DOWNLOAD = ("with network, run this command again; offline, pass --wikit
                     "wikitext-103-v1.zip)")
 
 
+def seed_words(seeds) -> str:
+    """``seed 1`` or ``seeds 1, 2, 3``."""
+    return f"seed{'s' * (len(seeds) > 1)} {', '.join(map(str, seeds))}"
+
+
 def downloaded_sample(url: str, download_dir: Path, md5: str = OFFICIAL_MD5,
                       log: Callable[[str], None] = print) -> Path:
     """The comparison's tokens when none are given: WikiText-103's archive from ``url``, downloaded once
@@ -257,8 +262,7 @@ def write_leaderboard(args: argparse.Namespace,
     seconds = sum(sum(recorded_seconds(run_dir(args, *run))) for run in evaluated)
     short, long_ = board.train_length, board.longest
     fewer = [e.label for e in entrants if len(e.records) < len(board.seeds)]
-    text = [f"# Leaderboard: {len(entrants)} position encodings, seed{'s' * (len(board.seeds) > 1)} "
-            f"{', '.join(map(str, board.seeds))}",
+    text = [f"# Leaderboard: {len(entrants)} position encodings, {seed_words(board.seeds)}",
             "",
             f"Validation perplexity, mean ± sample standard deviation over the seeds, trained at L={short} "
             f"for {args.updates} updates of {args.max_tokens} tokens; {args.layers} layers, width {args.width}, "
@@ -365,8 +369,8 @@ def write_both_lengths(args: argparse.Namespace, board: leaderboard.Leaderboard,
     text = [f"# Two training lengths: {len(view.models)} position encodings",
             "",
             "Validation perplexity of the same models trained alike but for the training length: "
-            + "; ".join(f"L_train={b.train_length} in {where[b.train_length]}, seed{'s' * (len(b.seeds) > 1)} "
-                        f"{', '.join(map(str, b.seeds))}" for b in view.boards)
+            + "; ".join(f"L_train={b.train_length} in {where[b.train_length]}, {seed_words(b.seeds)}"
+                        for b in view.boards)
             + ". Ranks are among these models, by the mean over each model's seeds at the longest length evaluated "
             "after each training; the change is from the training length to there. "
             "A pair swaps when its order at the longest length differs between the training lengths; each "
@@ -418,8 +422,8 @@ def compare(args: argparse.Namespace, tokens_dir: Path, data_bin: Path) -> None:
     text = (f"Validation perplexity (early-token-cursed: every token, non-overlapping blocks; last-token: "
             f"the same {args.num_targets} targets after L-1 tokens), trained at L={args.train_length} "
             f"for {args.updates} updates of {args.max_tokens} tokens; {args.layers} layers, width {args.width}, "
-            f"{args.heads} heads, {args.vocab_size or 'full'} vocabulary, seed{'s' * (len(args.seeds) > 1)} "
-            f"{', '.join(map(str, args.seeds))}, --kernel-parameterization {args.kernel_parameterization}.\n\n"
+            f"{args.heads} heads, {args.vocab_size or 'full'} vocabulary, {seed_words(args.seeds)}, "
+            f"--kernel-parameterization {args.kernel_parameterization}.\n\n"
             + table(results, args.eval_lengths))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.md").write_text(text + "\n")
