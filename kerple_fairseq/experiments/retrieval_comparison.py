@@ -390,11 +390,14 @@ def compare(args: argparse.Namespace) -> None:
     started = time.time()
     runs = [(name, seed) for seed in args.seeds for name in args.models]
     if args.board_only:
-        runs = [r for r in runs if None not in step_seconds(args, *r)]
+        unfinished = [r for r in runs if None in step_seconds(args, *r)]
+        runs = [r for r in runs if r not in unfinished]
         if not runs:
             raise UsageError(f"--board-only: no run of these --models and --seeds is trained and evaluated with "
                              f"these options in {args.out}")
-        stage(f"{len(runs)} finished runs on the board; nothing trained or evaluated")
+        stage(f"{len(runs)} finished runs on the board; nothing trained or evaluated"
+              + ("; left out, not trained and evaluated (its depth map too) with these options: "
+                 + ", ".join(f"{name}-seed{seed}" for name, seed in unfinished) if unfinished else ""))
     else:
         make_runs(args, runs)
     args.out.mkdir(parents=True, exist_ok=True)
