@@ -431,6 +431,8 @@ def test_the_committed_board_is_what_its_runs_give(tmp_path):
     proc = run_forked(COMPARISON, ["--board-only", "--seeds", *seeds, "--models", *models, "--out", out], REPO)
     assert not TRAINING.findall(proc.stdout) and "evaluating " not in proc.stdout
     assert f"{len(runs)} finished runs on the board; nothing trained or evaluated" in proc.stdout
+    left_out = {f"{m}-seed{s}" for m in models for s in seeds} - set(runs)  # the models not at every seed
+    assert all(name in proc.stdout for name in left_out) and ("left out" in proc.stdout) == bool(left_out)
     for board in ("retrieval-board.md", "retrieval-board.csv", "retrieval-depth-map.md"):
         assert (out / board).read_text() == (COMMITTED / board).read_text(), board
     none = run_forked(COMPARISON, ["--board-only", "--seeds", "9", "--models", *models, "--out", out], REPO, check=False)
