@@ -15,6 +15,7 @@ from conftest import BIN, REPO, run
 from console_scripts import comparable, run_each_forked, run_forked
 from kerple_fairseq.evaluation.checkpoint_file import read_checkpoint
 from kerple_fairseq.evaluation.loading import load_language_model
+from kerple_fairseq.experiments import retrieval_training
 from kerple_fairseq.experiments.position_encodings import POSITION_ENCODINGS
 from kerple_fairseq.tasks.retrieval_sequences import TASKS
 from test_retrieval_tasks import expected_answers, retrieval_task
@@ -35,6 +36,14 @@ def checkpoint(tmp_path_factory):
          "--disable-validation", "--no-epoch-checkpoints", "--criterion", "cross_entropy", "--save-dir", save_dir,
          "--train-examples", "2000"])
     return save_dir / "checkpoint_last.pt"
+
+
+def test_a_checkpoint_says_its_updates_as_the_resumed_training_reads_them(checkpoint, tmp_path):
+    """What lets a training interrupted during a check resume from the checkpoint its stretch saved."""
+    assert retrieval_training.checkpoint_updates(checkpoint) == 30
+    (tmp_path / "checkpoint_last.pt").write_text("not a checkpoint")
+    assert retrieval_training.checkpoint_updates(tmp_path / "checkpoint_last.pt") is None
+    assert retrieval_training.checkpoint_updates(tmp_path / "absent.pt") is None
 
 
 def kerple_eval(checkpoint, *flags, check=True):

@@ -6,9 +6,10 @@ model stopped by the cap is recorded as not learned, with its accuracy at its la
 
 Each check is recorded as it ends (``checks.json``: the training's key, the checks so far, the digest of the
 checkpoint they read): the same command after an interruption resumes fairseq-train from that checkpoint,
-which holds the optimiser, the schedule and the place in the epoch; anything else in the run's directory
-is started again. The finished training's record (``trained.json``) holds every check and whether the
-criterion was met."""
+which holds the optimiser, the schedule and the place in the epoch. A stretch that had saved its checkpoint
+when the interruption came (during its check) is kept: its checkpoint is checked, then the training goes on.
+Anything else in the run's directory is started again, saying why. The finished training's record
+(``trained.json``) holds every check and whether the criterion was met."""
 
 import argparse
 import json
@@ -17,8 +18,10 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
+from kerple_fairseq.errors import UsageError
+from kerple_fairseq.evaluation.checkpoint_file import read_checkpoint
 from kerple_fairseq.experiments.finished_steps import Step, file_digest
 from kerple_fairseq.experiments.paths import BIN, SCRIPTS, USER_DIR
 from kerple_fairseq.experiments.small_comparison import last_losses, run, stage, trained_alike
@@ -43,25 +46,45 @@ def stretch_flags(flags: List[str], updates: int) -> List[str]:
     return [*flags[:-1], str(updates)]
 
 
-def resumed_checks(step: Step) -> List[dict]:
-    """The checks of the training under way in ``step``'s directory, if they are this training's and its
-    checkpoint is the one they read; else nothing (the directory is cleared, to start again)."""
+def checkpoint_updates(checkpoint: Path) -> Optional[int]:
+    """The updates fairseq-train had made when it wrote ``checkpoint`` (read as data); None where it cannot say."""
+    try:
+        return int(read_checkpoint(str(checkpoint))["optimizer_history"][-1]["num_updates"])
+    except (UsageError, LookupError, TypeError, ValueError):
+        return None
+
+
+def resumed_checks(step: Step) -> Tuple[List[dict], Optional[int], str]:
+    """The training under way in ``step``'s directory: its checks so far, the updates of a checkpoint saved
+    after the last of them but not yet checked (a stretch interrupted during its check), and, where there is
+    nothing to resume, why (empty where nothing was under way). A checkpoint that is neither the one the
+    checks read nor a later stretch's of this training is not resumed."""
     save_dir, checkpoint = step.record.parent, step.outputs[0]
     try:
         progress = json.loads((save_dir / CHECKS).read_text())
-        if progress["key"] == json.loads(json.dumps(step.key)) and checkpoint.is_file() \
-                and progress["checkpoint"] == file_digest(checkpoint):
-            return list(progress["checks"])
+        key, checks, digest = progress["key"], list(progress["checks"]), progress["checkpoint"]
+        done = checks[-1]["updates"] if checks else 0
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return []
+        return [], None, ("no check of it was recorded" if checkpoint.is_file() else "")
+    if key != json.loads(json.dumps(step.key)):
+        return [], None, "it was made with other options"
+    if not checkpoint.is_file():
+        return [], None, f"its {checkpoint.name} is gone" if checks else "it was cut short before its first check"
+    if digest == file_digest(checkpoint):
+        return checks, None, ""
+    updates, cap = checkpoint_updates(checkpoint), int(step.key["fairseq-train"][-1])
+    if updates is not None and done < updates <= cap:
+        return checks, updates, ""
+    return [], None, f"its {checkpoint.name} is not the one its checks read, nor a later one of this training"
 
 
 def record_checks(step: Step, checks: List[dict], seconds: float) -> None:
+    """``checks.json``: the training's key, its checks so far, the seconds spent and the digest of the checkpoint
+    the last check read (none before the first)."""
     path = step.record.parent / CHECKS
     partial = path.with_name(path.name + ".partial")
     partial.write_text(json.dumps({"key": step.key, "checks": checks, "seconds": seconds,
-                                   "checkpoint": file_digest(step.outputs[0])}, indent=1))
+                                   "checkpoint": file_digest(step.outputs[0]) if checks else None}, indent=1))
     os.replace(partial, path)
 
 
@@ -97,29 +120,43 @@ def train_to_criterion(args: argparse.Namespace, step: Step, task_flags: List[st
         facts = json.loads((same.parent / step.record.name).read_text())
         step.complete(time.time() - started, **{k: facts[k] for k in ("checks", "learned", "updates", "losses")})
         return checkpoint, time.time() - started
-    checks = resumed_checks(step)
-    spent = json.loads((save_dir / CHECKS).read_text())["seconds"] if checks else 0.0
-    if checks:
-        stage(f"{save_dir.name}: resuming after {checks[-1]['updates']} updates")
+    checks, unchecked, why_again = resumed_checks(step)
+    if checks or unchecked:
+        spent = json.loads((save_dir / CHECKS).read_text())["seconds"]
+        stage(f"{save_dir.name}: resuming after {unchecked or checks[-1]['updates']} updates"
+              + (", checking first the checkpoint its last stretch saved" if unchecked else ""))
     else:
+        if why_again:
+            stage(f"{save_dir.name}: starting its training again: {why_again}")
         shutil.rmtree(save_dir, ignore_errors=True)
         shutil.rmtree(args.out / "tensorboard" / save_dir.name, ignore_errors=True)
         save_dir.mkdir(parents=True)
+        spent = 0.0
+        record_checks(step, checks, spent)
     flags, cap = step.key["fairseq-train"], int(step.key["fairseq-train"][-1])
     log = save_dir / "train.log"
+
+    def check_stretch(target: int) -> None:
+        """The check of the checkpoint saved after ``target`` updates, its stretch's log kept, recorded."""
+        stretch_log = save_dir / f"train-{target}.log"
+        if stretch_log.is_file():
+            with open(log, "a") as whole:
+                whole.write(stretch_log.read_text())
+            stretch_log.unlink()
+        checks.append(check(args, task_flags, checkpoint, target))
+        accuracies = ", ".join(f"{task} {100 * a:.1f}%" for task, a in checked_accuracy(checks[-1]).items())
+        stage(f"{name}, seed {seed}, after {target} updates: whole answers at L={args.train_length}: {accuracies}")
+        record_checks(step, checks, spent + time.time() - started)
+
+    if unchecked:
+        check_stretch(unchecked)
     while not checks or not (learned(checks[-1], args.criterion) or checks[-1]["updates"] >= cap):
         done = checks[-1]["updates"] if checks else 0
         target = min(done + args.check_every, cap)
         stage(f"training {name}, seed {seed}: updates {done} to {target} of at most {cap}")
         run([BIN / "fairseq-train", "--user-dir", USER_DIR, *stretch_flags(flags, target), "--save-dir", save_dir,
              "--tensorboard-logdir", args.out / "tensorboard" / save_dir.name], log=save_dir / f"train-{target}.log")
-        with open(log, "a") as whole:
-            whole.write((save_dir / f"train-{target}.log").read_text())
-        (save_dir / f"train-{target}.log").unlink()
-        checks.append(check(args, task_flags, checkpoint, target))
-        accuracies = ", ".join(f"{task} {100 * a:.1f}%" for task, a in checked_accuracy(checks[-1]).items())
-        stage(f"{name}, seed {seed}, after {target} updates: whole answers at L={args.train_length}: {accuracies}")
-        record_checks(step, checks, spent + time.time() - started)
+        check_stretch(target)
     reached = learned(checks[-1], args.criterion)
     stage(f"{name}, seed {seed}: " + (f"learned the tasks in {checks[-1]['updates']} updates" if reached else
                                       f"not learned in {cap} updates (the cap)"))
