@@ -18,7 +18,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from kerple_fairseq.errors import UsageError
 from kerple_fairseq.evaluation.checkpoint_file import read_checkpoint
@@ -54,28 +54,43 @@ def checkpoint_updates(checkpoint: Path) -> Optional[int]:
         return None
 
 
-def resumed_checks(step: Step) -> Tuple[List[dict], Optional[int], str]:
-    """The training under way in ``step``'s directory: its checks so far, the updates of a checkpoint saved
-    after the last of them but not yet checked (a stretch interrupted during its check), and, where there is
-    nothing to resume, why (empty where nothing was under way). A checkpoint that is neither the one the
-    checks read nor a later stretch's of this training is not resumed."""
+class Progress(NamedTuple):
+    """A training under way: its checks so far, the updates of a checkpoint saved after the last of them but not
+    yet checked (a stretch interrupted during its check), the seconds spent, and, where there is nothing to
+    resume, why it starts again (empty where nothing was under way)."""
+
+    checks: List[dict]
+    unchecked: Optional[int] = None
+    seconds: float = 0.0
+    why_again: str = ""
+
+    @property
+    def resumed(self) -> bool:
+        return bool(self.checks) or self.unchecked is not None
+
+
+def resumed_checks(step: Step, cap: int) -> Progress:
+    """The training under way in ``step``'s directory, capped at ``cap`` updates. A checkpoint that is neither the
+    one its checks read nor a later stretch's of this training is not resumed."""
     save_dir, checkpoint = step.record.parent, step.outputs[0]
     try:
         progress = json.loads((save_dir / CHECKS).read_text())
         key, checks, digest = progress["key"], list(progress["checks"]), progress["checkpoint"]
-        done = checks[-1]["updates"] if checks else 0
+        seconds, done = float(progress["seconds"]), checks[-1]["updates"] if checks else 0
     except (OSError, ValueError, KeyError, TypeError):
-        return [], None, ("no check of it was recorded" if checkpoint.is_file() else "")
+        return Progress([], why_again="no check of it was recorded" if checkpoint.is_file() else "")
     if key != json.loads(json.dumps(step.key)):
-        return [], None, "it was made with other options"
+        return Progress([], why_again="it was made with other options")
     if not checkpoint.is_file():
-        return [], None, f"its {checkpoint.name} is gone" if checks else "it was cut short before its first check"
+        return Progress([], why_again=f"its {checkpoint.name} is gone" if checks
+                        else "it was cut short before its first check")
     if digest == file_digest(checkpoint):
-        return checks, None, ""
-    updates, cap = checkpoint_updates(checkpoint), int(step.key["fairseq-train"][-1])
+        return Progress(checks, None, seconds)
+    updates = checkpoint_updates(checkpoint)
     if updates is not None and done < updates <= cap:
-        return checks, updates, ""
-    return [], None, f"its {checkpoint.name} is not the one its checks read, nor a later one of this training"
+        return Progress(checks, updates, seconds)
+    return Progress([], why_again=f"its {checkpoint.name} is not the one its checks read, nor a later one of this "
+                                  "training")
 
 
 def record_checks(step: Step, checks: List[dict], seconds: float) -> None:
@@ -120,20 +135,19 @@ def train_to_criterion(args: argparse.Namespace, step: Step, task_flags: List[st
         facts = json.loads((same.parent / step.record.name).read_text())
         step.complete(time.time() - started, **{k: facts[k] for k in ("checks", "learned", "updates", "losses")})
         return checkpoint, time.time() - started
-    checks, unchecked, why_again = resumed_checks(step)
-    if checks or unchecked:
-        spent = json.loads((save_dir / CHECKS).read_text())["seconds"]
+    flags, cap = step.key["fairseq-train"], int(step.key["fairseq-train"][-1])
+    progress = resumed_checks(step, cap)
+    checks, unchecked, spent = progress.checks, progress.unchecked, progress.seconds
+    if progress.resumed:
         stage(f"{save_dir.name}: resuming after {unchecked or checks[-1]['updates']} updates"
               + (", checking first the checkpoint its last stretch saved" if unchecked else ""))
     else:
-        if why_again:
-            stage(f"{save_dir.name}: starting its training again: {why_again}")
+        if progress.why_again:
+            stage(f"{save_dir.name}: starting its training again: {progress.why_again}")
         shutil.rmtree(save_dir, ignore_errors=True)
         shutil.rmtree(args.out / "tensorboard" / save_dir.name, ignore_errors=True)
         save_dir.mkdir(parents=True)
-        spent = 0.0
         record_checks(step, checks, spent)
-    flags, cap = step.key["fairseq-train"], int(step.key["fairseq-train"][-1])
     log = save_dir / "train.log"
 
     def check_stretch(target: int) -> None:
