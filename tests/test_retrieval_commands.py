@@ -314,6 +314,7 @@ def test_the_comparison_goes_on_where_it_stopped_and_keeps_runs_without_checkpoi
     board, depth_map = (out / "retrieval-board.md").read_text(), (out / "retrieval-depth-map.md").read_text()
     for label in ("ALiBi", "rotary", "rotary+NTK"):
         assert f"| {label} |" in board and f"**{label}**" in depth_map
+    assert "## mqar against the family baseline" in board and "| rotary+NTK | rotary | " in board
     assert first.stdout.count("for its depth map: mqar, passkey at lengths 28, 56") == 6
     mapped = json.loads((out / "alibi-seed2" / "depth-map.json").read_text())
     assert [(r["task"], r["length"]) for r in mapped] == [(t, n) for n in (28, 56) for t in ("mqar", "passkey")]
@@ -465,20 +466,20 @@ def test_every_cell_of_the_committed_depth_map_resolves_ten_points():
 
 
 def test_no_verdict_on_the_committed_board_depends_on_the_bootstrap_seed():
-    """The committed retrieval board rebuilt with 20 bootstrap seeds: every comparison's verdict, and whether it is
-    marked, the same under each."""
+    """The committed retrieval board rebuilt with 20 bootstrap seeds: every comparison's verdict (against ALiBi and
+    the family baseline), and whether it is marked, the same under each."""
     from functools import lru_cache
 
     from kerple_fairseq.analysis import retrieval_board
     from kerple_fairseq.evaluation import retrieval_accuracy
+    from kerple_fairseq.experiments.retrieval_comparison import board_entrant
 
     runs = sorted(p for p in COMMITTED.glob("*-seed*"))
     seeds_of = {}
     for path in runs:
         name, _, seed = path.name.rpartition("-seed")
         seeds_of.setdefault(name, []).append(int(seed))
-    entrants = [retrieval_board.Entrant(name, name, POSITION_ENCODINGS[name].family, sorted(seeds))
-                for name, seeds in seeds_of.items()]
+    entrants = [board_entrant(name, sorted(seeds)) for name, seeds in seeds_of.items()]
     records = json.loads((runs[0] / "eval.json").read_text())
     chance = {(r["task"], r["length"]): r["chance"] for r in records}
 
@@ -492,6 +493,6 @@ def test_no_verdict_on_the_committed_board_depends_on_the_bootstrap_seed():
                                       bootstrap_seed=bootstrap_seed)
         assert board.versus
         for v in board.versus:
-            found.setdefault((v.model, v.protocol, v.length), set()).add((v.verdict, board.marked(v)))
+            found.setdefault((v.model, v.reference, v.protocol, v.length), set()).add((v.verdict, board.marked(v)))
     changing = {key: states for key, states in found.items() if len(states) > 1}
     assert not changing, changing

@@ -439,10 +439,11 @@ def test_accuracy_t_interval_is_the_delete_one_jackknife():
 CHANCE = {"per_token": {"uniform": 0.01, "in_context": 0.02}, "whole": {"uniform": 0.01, "in_context": 0.02}}
 
 
-def board_of(accuracies, beyond=None, examples=200, seeds=(1, 2), criterion=0.4):
+def board_of(accuracies, beyond=None, examples=200, seeds=(1, 2), criterion=0.4, references=None):
     """A board from example scores made to give each model ``accuracies[name]`` (by seed) on every example
     pattern, at 64 (the training length) and 128 (``beyond[name]`` there if given): each example has 4 whole
-    answers of one token, and the chance of a guess in context is 2%."""
+    answers of one token, and the chance of a guess in context is 2%. Each model is compared with ALiBi, or
+    with ``references[name]``."""
     rng = np.random.default_rng(5)
 
     def scores_of(name, seed):
@@ -453,7 +454,8 @@ def board_of(accuracies, beyond=None, examples=200, seeds=(1, 2), criterion=0.4)
             found["passkey", n] = ExampleScores(correct, np.full(examples, 4), correct, np.full(examples, 4))
         return {"seed": 1}, found
 
-    entrants = [retrieval_board.Entrant(name, name.upper(), "additive bias", list(seeds)) for name in accuracies]
+    entrants = [retrieval_board.Entrant(name, name.upper(), "additive bias", list(seeds),
+                                        (references or {}).get(name, ["alibi"])) for name in accuracies]
     chance = {("passkey", n): CHANCE for n in (64, 128)}
     return retrieval_board.build(entrants, 64, scores_of, chance, criterion, samples=2000)
 
@@ -477,6 +479,50 @@ def test_board_ranks_the_models_that_learned_the_task_and_resolves():
     assert "never shown" not in with_rules
     header, rows = retrieval_board.csv_rows(board)
     assert len(rows) == 4 * 2 and header[0] == "model"
+
+
+def test_board_compares_each_model_with_its_family_baseline_too():
+    """YaRN on rotary: level with ALiBi at 128, far above rotary there; its ▲ is in the family-baseline table, not
+    in the task's table (whose marks are against ALiBi). FIRE, not learned, is compared with neither."""
+    at_64 = {"alibi": [0.9, 0.9], "rotary": [0.9, 0.9], "yarn": [0.9, 0.9], "fire": [0.2, 0.6]}
+    at_128 = {"alibi": [0.9, 0.9], "rotary": [0.3, 0.3], "yarn": [0.9, 0.9], "fire": [0.2, 0.6]}
+    family = {name: ["alibi", "rotary"] for name in ("rotary", "yarn", "fire")}
+    board = board_of(at_64, beyond=at_128, references=family)
+    assert {(v.model, v.reference) for v in board.versus} == {
+        ("rotary", "alibi"), ("yarn", "alibi"), ("yarn", "rotary"), ("fire", "alibi"), ("fire", "rotary")}
+    assert len(board.versus) == 5 * 2
+    assert board.baseline_of(board.entrants[2]) == "rotary" and board.baseline_of(board.entrants[1]) is None
+    above = board.against("yarn", "passkey", 128, "rotary")
+    assert above.difference[0] > 0.5 and board.marked(above)
+    assert not board.marked(board.against("yarn", "passkey", 128))
+    assert board.marked(board.against("rotary", "passkey", 128)) and board.against("rotary", "passkey", 128, "rotary") is None
+    table = retrieval_board.markdown(board, "passkey", {}, {})
+    yarn_row = next(line for line in table.splitlines() if "| YARN |" in line)
+    assert "▲" not in yarn_row and "▼" not in yarn_row and "▼" in next(
+        line for line in table.splitlines() if "| ROTARY |" in line)
+    baselines = retrieval_board.baseline_markdown(board, "passkey").splitlines()
+    assert baselines[0] == "| model | − family baseline | L=64 | L=128 | not compared |"
+    assert [line.split(" | ")[0] for line in baselines[2:]] == ["| YARN", "| FIRE"]  # ALiBi and rotary: no baseline
+    assert baselines[2].startswith("| YARN | ROTARY | +") and baselines[2].endswith(" ▲ |  |")
+    assert baselines[3] == "| FIRE | ROTARY |  |  | FIRE not learned at L=64 |"
+    seeds = retrieval_board.seed_markdown(board, "passkey", 128, {e.name: e.label for e in board.entrants})
+    assert "| YARN | ROTARY | 1, 2 | +" in seeds and "| YARN | ALIBI | 1, 2 |" in seeds
+    header, rows = retrieval_board.csv_rows(board)
+    compared = [(row[0], row[header.index("reference")]) for row in rows if row[header.index("length")] == 128]
+    assert compared == [("alibi", ""), ("rotary", "alibi"), ("yarn", "alibi"), ("yarn", "rotary"),
+                        ("fire", "alibi"), ("fire", "rotary")]
+    assert rows[compared.index(("fire", "rotary")) + 6][header.index("verdict")] == retrieval_board.NOT_LEARNED
+
+
+def test_a_model_at_other_seeds_than_its_baseline_has_no_common_seed():
+    def scores_of(name, seed):
+        return {"seed": 1}, {("passkey", 64): ExampleScores(*[np.ones(3)] * 4)}
+
+    entrants = [retrieval_board.Entrant("alibi", "ALIBI", "", [1, 2]), retrieval_board.Entrant("rotary", "ROTARY", "", [1]),
+                retrieval_board.Entrant("yarn", "YARN", "", [2], ["alibi", "rotary"])]
+    board = retrieval_board.build(entrants, 64, scores_of, {("passkey", 64): CHANCE}, 0.97, samples=100)
+    assert board.against("yarn", "passkey", 64, "rotary") is None and board.against("yarn", "passkey", 64)
+    assert "| YARN | ROTARY | no common seed |  |" in retrieval_board.baseline_markdown(board, "passkey")
 
 
 def test_no_verdict_between_two_models_at_chance():

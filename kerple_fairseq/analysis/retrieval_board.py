@@ -1,12 +1,13 @@
 """The retrieval board: each model's whole-answer accuracy on the retrieval tasks at every length (its
 per-token accuracy beside it), mean and sample standard deviation over its seeds, ranked among the models that
-learned the task, and compared with ALiBi seed by seed.
+learned the task, and compared seed by seed with ALiBi and with the baseline of its own family (what it adds to:
+rotary for a rotary scaling, RNoPE-SWA for SWAN-GPT's scaling of it, KERPLE-log for DAPE on it).
 
 A model has *learned* a task when every seed's whole-answer accuracy at the training length reaches the
 criterion; only those are ranked, by their mean whole-answer accuracy over the lengths beyond the training length
 (2x to 32x: what they retrieve from farther back than they were trained on; 1 is the best, ties share it).
-The others are listed below them with their accuracy at the training length. Each seed's difference to ALiBi's
-run of the same seed (model - ALiBi, in whole-answer accuracy) has the perplexity board's interval
+The others are listed below them with their accuracy at the training length. Each seed's difference to a
+reference's run of the same seed (model - reference, in whole-answer accuracy) has the perplexity board's interval
 (:class:`~kerple_fairseq.analysis.leaderboard.Versus`: a paired bootstrap over the examples, moved inward by
 its Monte-Carlo error, and a t-interval over them, the more conservative at each end); it is *resolved* when
 every seed has the same sign and an interval excluding zero, and marked only where both learned the task and
@@ -27,7 +28,7 @@ from kerple_fairseq.evaluation.retrieval_accuracy import ExampleScores
 from kerple_fairseq.evaluation.span_losses import SpanLosses
 from kerple_fairseq.tasks.retrieval_sequences import TASKS
 
-REFERENCE = "alibi"
+REFERENCE = "alibi"  # every model's first reference: the board's ▲/▼ are against it
 
 Run = Tuple[str, int]  # a model and its seed
 #: a run's example-scores file, read: what drew the examples, and the scores by task and length
@@ -40,6 +41,7 @@ class Entrant:
     label: str
     family: str
     seeds: List[int]
+    references: List[str] = field(default_factory=lambda: [REFERENCE])  # compared against, where on the board
 
 
 @dataclass
@@ -54,7 +56,7 @@ class RetrievalBoard:
     accuracy: Dict[Tuple[str, str, int], List[float]] = field(default_factory=dict)  # (model, task, length): by seed
     per_token: Dict[Tuple[str, str, int], List[float]] = field(default_factory=dict)  # the same, token by token
     wholes: Dict[Tuple[str, int], int] = field(default_factory=dict)  # (task, length): whole answers of a run
-    versus: List[Versus] = field(default_factory=list)  # each model but ALiBi against it (protocol: the task)
+    versus: List[Versus] = field(default_factory=list)  # each model against its references (protocol: the task)
 
     @property
     def beyond(self) -> List[int]:
@@ -95,13 +97,17 @@ class RetrievalBoard:
                                                     -self.mean(e.name, task, self.train_length)))
 
     def marked(self, versus: Versus) -> bool:
-        """Whether a verdict against ALiBi means something: both learned the task, and not both at chance."""
-        task, length = versus.protocol, versus.length
-        return versus.verdict == RESOLVED and self.learned(versus.model, task) and self.learned(REFERENCE, task) \
-            and not (self.at_chance(versus.model, task, length) and self.at_chance(REFERENCE, task, length))
+        """Whether a verdict means something: both learned the task, and not both at chance."""
+        return comparison_state(self, versus) == RESOLVED
 
-    def against(self, model: str, task: str, length: int) -> Optional[Versus]:
-        return next((v for v in self.versus if (v.model, v.protocol, v.length) == (model, task, length)), None)
+    def against(self, model: str, task: str, length: int, reference: str = REFERENCE) -> Optional[Versus]:
+        return next((v for v in self.versus
+                     if (v.model, v.reference, v.protocol, v.length) == (model, reference, task, length)), None)
+
+    def baseline_of(self, entrant: Entrant) -> Optional[str]:
+        """The entrant's family baseline on this board (a reference other than ALiBi), if any."""
+        return next((r for r in entrant.references if r not in (REFERENCE, entrant.name)
+                     and any(e.name == r for e in self.entrants)), None)
 
 
 def examples_drawn(meta: dict) -> dict:
@@ -149,8 +155,9 @@ def build(entrants: Sequence[Entrant], train_length: int, scores_of: ScoresOf, c
                          "learned the tasks is read there")
     board = RetrievalBoard(train_length, tasks, lengths, list(entrants), confidence, criterion, dict(chance))
     seeds_of = {e.name: e.seeds for e in entrants}
-    pairs = [(e.name, REFERENCE, [s for s in e.seeds if s in seeds_of[REFERENCE]])
-             for e in entrants if e.name != REFERENCE and REFERENCE in seeds_of]
+    pairs = [(e.name, reference, [s for s in e.seeds if s in seeds_of[reference]])
+             for e in entrants for reference in dict.fromkeys(e.references)
+             if reference in seeds_of and reference != e.name]
     for task, length in sorted(keys):
         found = [(read[run][0], read[run][1][task, length]) for run in runs]
         check_same_examples(task, length, runs, found)
@@ -211,20 +218,52 @@ def markdown(board: RetrievalBoard, task: str, perplexity_rank: Dict[str, int], 
     return "\n".join(lines)
 
 
+NOT_LEARNED, BOTH_AT_CHANCE = "not compared: not learned at the training length", "not compared: both at chance"
+
+
 def comparison_state(board: RetrievalBoard, v: Versus) -> str:
     """The verdict of ``v``, or why none is given."""
-    if not (board.learned(v.model, v.protocol) and board.learned(REFERENCE, v.protocol)):
-        return "not compared: not learned at the training length"
-    if board.at_chance(v.model, v.protocol, v.length) and board.at_chance(REFERENCE, v.protocol, v.length):
-        return "not compared: both at chance"
+    if not (board.learned(v.model, v.protocol) and board.learned(v.reference, v.protocol)):
+        return NOT_LEARNED
+    if board.at_chance(v.model, v.protocol, v.length) and board.at_chance(v.reference, v.protocol, v.length):
+        return BOTH_AT_CHANCE
     return v.verdict
 
 
+def _baseline_cell(board: RetrievalBoard, v: Optional[Versus]) -> str:
+    if v is None:
+        return "no common seed"
+    state = comparison_state(board, v)
+    mark = (" ▲" if v.difference[0] > 0 else " ▼") if state == RESOLVED else " (both at chance)" \
+        if state == BOTH_AT_CHANCE else ""
+    return f"{100 * np.mean(v.difference):+.1f}{mark}"
+
+
+def baseline_markdown(board: RetrievalBoard, task: str) -> str:
+    """Each model against its family's baseline at every length: the mean difference (model - baseline, whole-answer
+    points) over the seeds both have, ▲/▼ where resolved and meaningful (:meth:`RetrievalBoard.marked`), "(both
+    at chance)" where neither is above it; no cells where either did not learn the task, and which did not."""
+    labels = {e.name: e.label for e in board.entrants}
+    lines = ["| model | − family baseline | " + " | ".join(f"L={n}" for n in board.lengths) + " | not compared |",
+             "|" + "---|" * (len(board.lengths) + 3)]
+    for e in board.entrants:
+        baseline = board.baseline_of(e)
+        if baseline is None:
+            continue
+        unlearned = [labels[m] for m in (e.name, baseline) if not board.learned(m, task)]
+        cells = [""] * len(board.lengths) if unlearned else \
+            [_baseline_cell(board, board.against(e.name, task, n, baseline)) for n in board.lengths]
+        note = f"{' and '.join(unlearned)} not learned at L={board.train_length}" if unlearned else ""
+        lines.append(f"| {e.label} | {labels[baseline]} | " + " | ".join(cells) + f" | {note} |")
+    return "\n".join(lines)
+
+
 def seed_markdown(board: RetrievalBoard, task: str, length: int, labels: Dict[str, str]) -> str:
-    """Each model's difference to ALiBi at ``length``, seed by seed, in whole-answer points, with its interval."""
-    lines = ["| model | seeds | difference to ALiBi (points) | intervals | verdict |", "|---|---|---|---|---|"]
+    """Each model's difference to each of its references at ``length``, seed by seed, in whole-answer points, with
+    its interval."""
+    lines = ["| model | − reference | seeds | difference (points) | intervals | verdict |", "|---|---|---|---|---|---|"]
     for v in (v for v in board.versus if v.protocol == task and v.length == length):
-        lines.append(f"| {labels[v.model]} | {', '.join(map(str, v.seeds))} | "
+        lines.append(f"| {labels[v.model]} | {labels[v.reference]} | {', '.join(map(str, v.seeds))} | "
                      + ", ".join(f"{100 * d:+.1f}" for d in v.difference) + " | "
                      + ", ".join(f"[{100 * lo:+.1f}, {100 * hi:+.1f}]" for lo, hi in v.interval)
                      + f" | {comparison_state(board, v)} |")
@@ -240,17 +279,17 @@ def csv_rows(board: RetrievalBoard) -> Tuple[List[str], List[list]]:
         ranks = board.ranks(task)
         for e in board.entrants:
             for n in board.lengths:
-                v = board.against(e.name, task, n)
                 chance = board.chance[task, n]["whole"]
-                rows.append([e.name, e.label, e.family, task, n, board.mean(e.name, task, n), board.sd(e.name, task, n),
-                             ";".join(map(str, e.seeds)), ";".join(map(str, board.accuracy[e.name, task, n])),
-                             float(np.mean(board.per_token[e.name, task, n])),
-                             ";".join(map(str, board.per_token[e.name, task, n])), board.learned(e.name, task),
-                             board.at_chance(e.name, task, n), chance["in_context"], chance["uniform"],
-                             ranks.get(e.name, ""), *(["", "", "", "", "", ""] if v is None else [
-                                 v.reference, ";".join(map(str, v.seeds)), ";".join(map(str, v.difference)),
-                                 ";".join(f"{lo} {hi}" for lo, hi in v.interval), comparison_state(board, v),
-                                 v.units])])
+                common = [e.name, e.label, e.family, task, n, board.mean(e.name, task, n), board.sd(e.name, task, n),
+                          ";".join(map(str, e.seeds)), ";".join(map(str, board.accuracy[e.name, task, n])),
+                          float(np.mean(board.per_token[e.name, task, n])),
+                          ";".join(map(str, board.per_token[e.name, task, n])), board.learned(e.name, task),
+                          board.at_chance(e.name, task, n), chance["in_context"], chance["uniform"],
+                          ranks.get(e.name, "")]
+                found = [v for v in board.versus if (v.model, v.protocol, v.length) == (e.name, task, n)]
+                rows += [common + [v.reference, ";".join(map(str, v.seeds)), ";".join(map(str, v.difference)),
+                                   ";".join(f"{lo} {hi}" for lo, hi in v.interval), comparison_state(board, v),
+                                   v.units] for v in found] or [common + [""] * 6]
     return header, rows
 
 

@@ -272,14 +272,20 @@ def unranked_reasons(args: argparse.Namespace, trained: Dict[str, List[dict]], b
     return reasons
 
 
+def board_entrant(name: str, seeds: List[int]) -> retrieval_board.Entrant:
+    """A position encoding on the board at ``seeds``, compared with ALiBi and its family's baseline."""
+    encoding = POSITION_ENCODINGS[name]
+    return retrieval_board.Entrant(name, encoding.label, encoding.family, seeds,
+                                   list(dict.fromkeys([retrieval_board.REFERENCE, encoding.baseline])))
+
+
 def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
     """The board of the evaluated ``runs`` in ``<out>/retrieval-board.{md,csv,png}``; its markdown."""
     seeds: Dict[str, List[int]] = {}
     for name, seed in evaluated(args, runs):
         seeds.setdefault(name, []).append(seed)
     order = list(POSITION_ENCODINGS)  # the table's order, whatever the order of --models
-    entrants = [retrieval_board.Entrant(name, POSITION_ENCODINGS[name].label, POSITION_ENCODINGS[name].family, s)
-                for name, s in sorted(seeds.items(), key=lambda item: order.index(item[0]))]
+    entrants = [board_entrant(name, s) for name, s in sorted(seeds.items(), key=lambda item: order.index(item[0]))]
 
     @lru_cache(maxsize=None)
     def scores_of(name: str, seed: int):
@@ -313,7 +319,8 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
             f"excluding zero: at each end the more conservative of a paired bootstrap's over the examples, "
             f"{significance.BOARD_SAMPLES:,} resamples moved inward by its Monte-Carlo error, and a t-interval over "
             "them), marked only where both learned the task and not both are at chance (no seed above the guess "
-            "among the input's symbols by two standard errors of it). "
+            "among the input's symbols by two standard errors of it); the same rule gives the verdicts against "
+            "each model's family baseline (what it adds to), after the seed-by-seed tables. "
             + (f"Perplexity rank: the model's rank at the longest length on {os.path.relpath(args.perplexity_board)} "
                "(early-token-cursed; blank where it holds none). " if ppl_rank else "")
             + f"Training and evaluation took {duration(seconds)} in all on this machine."]
@@ -323,6 +330,8 @@ def write_board(args: argparse.Namespace, runs: Sequence[Run]) -> str:
     for task in board.tasks:
         text += ["", f"## {task} at L={max(board.lengths)}, seed by seed", "",
                  retrieval_board.seed_markdown(board, task, max(board.lengths), labels)]
+    for task in board.tasks:
+        text += ["", f"## {task} against the family baseline", "", retrieval_board.baseline_markdown(board, task)]
     if map_tasks(args):
         text += ["", f"Accuracy by length and the depth of the needle: {DEPTH_MAP}.md (.png)."]
         write_depth_map(args, entrants)
