@@ -508,10 +508,10 @@ def test_board_compares_each_model_with_its_family_baseline_too():
     seeds = retrieval_board.seed_markdown(board, "passkey", 128, {e.name: e.label for e in board.entrants})
     assert "| YARN | ROTARY | 1, 2 | +" in seeds and "| YARN | ALIBI | 1, 2 |" in seeds
     header, rows = retrieval_board.csv_rows(board)
-    compared = [(row[0], row[header.index("reference")]) for row in rows if row[header.index("length")] == 128]
-    assert compared == [("alibi", ""), ("rotary", "alibi"), ("yarn", "alibi"), ("yarn", "rotary"),
-                        ("fire", "alibi"), ("fire", "rotary")]
-    assert rows[compared.index(("fire", "rotary")) + 6][header.index("verdict")] == retrieval_board.NOT_LEARNED
+    at_128 = [row for row in rows if row[header.index("length")] == 128]
+    assert [(row[0], row[header.index("reference")]) for row in at_128] == [
+        ("alibi", ""), ("rotary", "alibi"), ("yarn", "alibi"), ("yarn", "rotary"), ("fire", "alibi"), ("fire", "rotary")]
+    assert at_128[-1][header.index("verdict")] == retrieval_board.NOT_LEARNED
 
 
 def test_a_model_at_other_seeds_than_its_baseline_has_no_common_seed():

@@ -181,12 +181,14 @@ def _small_percent(x: float) -> str:
     return f"{100 * x:.1f}" if 100 * x >= 0.1 else f"{100 * x:.3f}" if 100 * x >= 0.001 else "< 0.001"
 
 
+def _mark(board: RetrievalBoard, v: Optional[Versus]) -> str:
+    """" ▲" or " ▼" where ``v`` is resolved and meaningful (:meth:`RetrievalBoard.marked`), else nothing."""
+    return (" ▲" if v.difference[0] > 0 else " ▼") if v is not None and board.marked(v) else ""
+
+
 def _cell(board: RetrievalBoard, name: str, task: str, length: int) -> str:
     mean, sd = board.mean(name, task, length), board.sd(name, task, length)
-    v = board.against(name, task, length)
-    mark = ""
-    if v is not None and board.marked(v):
-        mark = " ▲" if v.difference[0] > 0 else " ▼"
+    mark = _mark(board, board.against(name, task, length))
     per_token = float(np.mean(board.per_token[name, task, length]))
     return f"{_percent(mean)}{'' if math.isnan(sd) else ' ± ' + _percent(sd)}{mark} ({_percent(per_token)})"
 
@@ -233,10 +235,8 @@ def comparison_state(board: RetrievalBoard, v: Versus) -> str:
 def _baseline_cell(board: RetrievalBoard, v: Optional[Versus]) -> str:
     if v is None:
         return "no common seed"
-    state = comparison_state(board, v)
-    mark = (" ▲" if v.difference[0] > 0 else " ▼") if state == RESOLVED else " (both at chance)" \
-        if state == BOTH_AT_CHANCE else ""
-    return f"{100 * np.mean(v.difference):+.1f}{mark}"
+    chance = " (both at chance)" if comparison_state(board, v) == BOTH_AT_CHANCE else ""
+    return f"{100 * np.mean(v.difference):+.1f}{_mark(board, v)}{chance}"
 
 
 def baseline_markdown(board: RetrievalBoard, task: str) -> str:
