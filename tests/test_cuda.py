@@ -10,10 +10,10 @@ import torch
 
 from helpers import (FLEX_METHODS, HEADS_OF_16, NO_FLEX_BACKWARD, encoding_model, every_encoding, flex_method_model,
                      random_tokens)
-from kerple_core.attention import flex
 from kerple_core.attention.attend import attend
 from kerple_core.attention.backends.sdpa import masked_sdpa_backends
 from kerple_core.attention.blocks import QueryBlock
+from kerple_core.attention.self_attention import recorded
 
 pytestmark = pytest.mark.cuda
 
@@ -26,6 +26,11 @@ FEW = ["alibi", "kerple_log", "kerple_bias_wht", "fire", "fox"]
 #: method set in the model), and DAPE's convolution: on the backend CUDA chooses for each
 ENCODINGS = {name: flags for name, flags in every_encoding().items() if name not in FLEX_METHODS}
 ENCODINGS["dape_conv"] = ["--arch", "transformer_lm_kerple", "--dape", "conv"]
+#: the methods each backend declines when asked for by name, which another backend then serves: FlexAttention on
+#: CUDA in training a term that takes gradients; SDPA a weight kernel (its weights multiply the probabilities);
+#: the fused kernel a rule of positions (chunks), FIRE's term and SSMax scaling a bias's rows
+DECLINED = {"flex": NO_FLEX_BACKWARD, "sdpa": {"gauss_wht1", "gauss_wht2", "kerple_bias_wht"},
+            "fused": {"chunked", "fire", "bam-ssmax"}}
 #: half precision's types and the tolerances of their log-probabilities (gradients: times the largest)
 HALF = [(torch.float16, 3e-2), (torch.bfloat16, 2e-1)]
 
@@ -81,16 +86,11 @@ def compare(name, backend, length, dtype, *flags, tolerance):
     cpu, (expected, expected_grads) = reference(name, length, flags)
     model = cuda_model(name, *flags).train().to(CUDA, dtype)
     model.load_state_dict(cpu.state_dict())
-    calls = []
-    original = flex.attend
-    flex.attend = lambda *a: calls.append(1) or original(*a)
-    try:
+    with recorded(model) as record:
         got, grads = loss_and_gradients(model, tokens.to(CUDA), backend)
-    finally:
-        flex.attend = original
     if backend is not None:
-        flex_expected = backend == "flex" and name not in NO_FLEX_BACKWARD
-        assert (len(calls) > 0) == flex_expected, "the backend asked for was not the one used"
+        served = name not in DECLINED.get(backend, ())
+        assert (backend in record.backends) == served, f"asked for {backend}, attended with {dict(record.backends)}"
     torch.testing.assert_close(got.double().cpu(), expected, rtol=0, atol=tolerance)
     assert grads.keys() == expected_grads.keys()
     scale = max(g.abs().max().item() for g in expected_grads.values())

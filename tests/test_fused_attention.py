@@ -11,6 +11,7 @@ import os
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from kerple_core.attention.attend import AttentionRecord, choose_backend
 from kerple_core.attention.backends.explicit import biased_scores
 from kerple_core.attention.blocks import QueryBlock
 from kerple_core.attention.distance_bias import DistanceBias
+from kerple_core.attention.fused_kernels import head_start
 from kerple_core.attention.self_attention import recorded
 from kerple_core.kernels import KERNELS
 from kerple_core.kernels.registry import build_kernel
@@ -321,6 +323,35 @@ def test_the_backward_draws_the_forwards_cells_whatever_the_tiles():
     torch.testing.assert_close(larger[:, :100, :90], forward, rtol=0, atol=0)
 
 
+def philox_4x32(seed, counters, rounds):
+    """Philox-4x32 (Salmon et al. 2011, as Triton's ``tl.philox`` keys it: the seed's low and high words) in NumPy:
+    the four words for each counter ``(c0, c1, c2, c3)``, arrays broadcast against each other."""
+    low = np.uint64(0xFFFFFFFF)
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) & low for c in counters)
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    for _ in range(rounds):
+        b_c2, a_c0 = np.uint64(0xCD9E8D57) * c2, np.uint64(0xD2511F53) * c0  # 64-bit products of 32-bit words
+        c0, c1, c2, c3 = (b_c2 >> np.uint64(32)) ^ c1 ^ k0, b_c2 & low, (a_c0 >> np.uint64(32)) ^ c3 ^ k1, a_c0 & low
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & low, (k1 + np.uint64(0xBB67AE85)) & low
+    return c0, c1, c2, c3
+
+
+@pytest.mark.parametrize("seed", [99, 2 ** 29 + 7])
+def test_the_dropout_stream_is_philox_as_documented(seed):
+    """Each kept cell, computed from Philox-4x32-7 in NumPy: cell (t, s) of head h keeps when byte ``s % 4`` of word
+    ``(s % 16) // 4`` of the draw at counters ``(s // 16, t, h, 0)`` is at least the threshold. The same stream on
+    the interpreter and on a GPU, whose compiled Philox is checked here against the same formula."""
+    heads, queries, keys, p = 3, 40, 70, 0.3
+    t, s = np.arange(queries)[:, None], np.arange(keys)[None, :]
+    expected = np.empty((heads, queries, keys), dtype=bool)
+    for h in range(heads):
+        words = philox_4x32(seed, (s // 16, t, h, 0), rounds=7)
+        word = np.choose((s % 16) // 4, [np.broadcast_to(w, (queries, keys)) for w in words])
+        expected[h] = (word >> (np.uint64(8) * (s % 4).astype(np.uint64))) & np.uint64(255) >= fused.dropout_threshold(p)
+    got = fused.keep_mask(heads, queries, keys, p, seed, DEVICE).cpu().numpy()
+    assert (got == expected).all(), f"{(got != expected).sum()} of {got.size} cells differ"
+
+
 def test_no_two_heads_or_calls_share_a_dropout_stream():
     """Streams of seeds ``s`` and ``s + 1`` for every head: each pair agrees on as many cells as two independent
     masks do (``q^2 + (1 - q)^2`` of them, ``q`` the keep probability), within 6 standard errors."""
@@ -344,7 +375,7 @@ def test_head_offsets_are_computed_in_64_bits():
     @triton.jit
     def starts(Out, stride_b, stride_h):
         i = tl.program_id(0)
-        tl.store(Out + i, fused.kernels().head_start(i // 3, i % 3, stride_b, stride_h))
+        tl.store(Out + i, head_start(i // 3, i % 3, stride_b, stride_h))  # a module's global: compiled and interpreted
 
     stride_b, stride_h = 3 * 2 ** 29, 2 ** 29 + 7  # 32-bit values whose products with b and h pass 2 ** 31
     out = torch.zeros(6, dtype=torch.int64, device=DEVICE)
@@ -478,6 +509,8 @@ def test_the_tables_padding_holds_every_cell_a_masked_tile_reads():
     assert every and max(tiles.block_m + tiles.block_n - 2 for tiles in every) <= pad
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="reads the promises through Triton's interpreter, which runs where no GPU "
+                    "is; on CUDA the tests of outputs cover the same tables")
 @pytest.mark.parametrize("smallest", [False, True], ids=["first settings", "smallest settings"])
 def test_the_alignment_the_kernels_promise_the_compiler_holds(smallest, monkeypatch):
     """Each row of a tile's table cells is read from the copy where it starts on a 16-byte boundary, which the kernels
