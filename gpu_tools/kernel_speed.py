@@ -8,8 +8,12 @@ by :func:`kerple_core.attention.fused.attend` with the bias of each of :data:`BI
 dropout ``--dropout``. Each is timed forward (autograd
 recording, as in training) and forward plus backward (against a fixed random output gradient; the fused
 path's gradients include the kernel's parameters, and FoX's gate state, as training takes them): the
-median of ``--repeats`` calls after :data:`WARMUP` (CUDA events on a GPU, ``time.perf_counter`` on a CPU).
-The JSON, rewritten after every case, holds the milliseconds and each bias's ratio to SDPA's.
+median of ``--repeats`` calls after :data:`WARMUP` (CUDA events on a GPU, ``time.perf_counter`` on a CPU), each
+call issued on an idle GPU, so that its time includes whatever the GPU waits for while the host prepares and
+launches its kernels. On a GPU each is also timed by the GPU's own clock: its CUDA kernels' time in torch's
+profiler, the median of :data:`PROFILED` calls, which leaves the host's time out. The JSON, rewritten after
+every case, holds the milliseconds (``forward_ms``, ``forward_gpu_ms``, ...) and each bias's ratios to SDPA's
+(``forward_ratio``, ``forward_gpu_ratio``, ...).
 
     python -m gpu_tools.kernel_speed --json kernel-speed.json    # on a GPU: 2048 tokens, heads of 64 and 128
     TRITON_INTERPRET=1 python -m gpu_tools.kernel_speed --json out.json --length 64 --head-dims 16 \\
@@ -27,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
 
 from kerple_core.attention import fused
 from kerple_core.attention.blocks import QueryBlock
@@ -34,11 +39,14 @@ from kerple_core.attention.distance_bias import DistanceBias
 from kerple_core.attention.layer_bias import LayerBlockBias
 from kerple_core.kernels import build_kernel
 from kerple_core.layer_biases import LAYER_BIASES, build_layer_bias
+from kerple_fairseq.experiments.benchmark import busy_times
 
 #: the biases the fused kernel is timed with: distance kernels, and the Forgetting Transformer's layer bias
 BIASES = ("alibi", "kerple_log", "t5", "fox")
 #: untimed calls before the timed ones (the first compiles the Triton kernels)
 WARMUP = 3
+#: profiled calls of each case on a GPU, after its timed ones: the median of their kernels' time is its GPU time
+PROFILED = 3
 
 
 def parse_args(argv=None):
@@ -101,18 +109,42 @@ def milliseconds(run, repeats: int, device) -> float:
     return statistics.median(times)
 
 
+def gpu_milliseconds(run, device) -> float:
+    """The GPU's own time for one ``run()``: the time of its CUDA kernels in torch's profiler (the host's time
+    preparing and launching them left out), the median of :data:`PROFILED` calls."""
+    times = []
+    for _ in range(PROFILED):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiled:
+            run()
+            torch.cuda.synchronize(device)
+        times.append(sum(us for _, us in busy_times(profiled, on_gpu=True)) / 1000)
+    return statistics.median(times)
+
+
 def timed(attend, inputs, grad_out, repeats: int, device) -> dict:
-    """``attend()`` timed forward, and forward plus backward to ``inputs``."""
-    return {"forward_ms": round(milliseconds(attend, repeats, device), 4),
-            "forward_backward_ms": round(milliseconds(
-                lambda: torch.autograd.grad(attend(), inputs, grad_out), repeats, device), 4)}
+    """``attend()`` timed forward, and forward plus backward to ``inputs``: as called, and on a GPU by its clock."""
+    runs = {"forward": attend, "forward_backward": lambda: torch.autograd.grad(attend(), inputs, grad_out)}
+    case = {}
+    for phase, run in runs.items():
+        case[f"{phase}_ms"] = round(milliseconds(run, repeats, device), 4)
+        if device.type == "cuda":
+            case[f"{phase}_gpu_ms"] = round(gpu_milliseconds(run, device), 4)
+    return case
+
+
+def with_ratios(case: dict, reference: dict) -> dict:
+    """``case`` with each of its times over ``reference``'s (``forward_ms`` gives ``forward_ratio``)."""
+    return {**case, **{key[:-len("ms")] + "ratio": round(value / reference[key], 4)
+                       for key, value in case.items() if key.endswith("_ms")}}
 
 
 def case_line(head_dim: int, name: str, case: dict) -> str:
-    """One case's times, with a bias's ratios to SDPA's."""
+    """One case's times, by the GPU's clock in brackets where it was read, with a bias's ratios to SDPA's."""
     def phase(key):
         ratio = f" ({case[key + '_ratio']:.2f}x)" if key + "_ratio" in case else ""
-        return f"{case[key + '_ms']:8.3f} ms{ratio}"
+        gpu_ratio = f" ({case[key + '_gpu_ratio']:.2f}x)" if key + "_gpu_ratio" in case else ""
+        gpu = f" [GPU {case[key + '_gpu_ms']:.3f} ms{gpu_ratio}]" if key + "_gpu_ms" in case else ""
+        return f"{case[key + '_ms']:8.3f} ms{ratio}{gpu}"
 
     return (f"head dim {head_dim:>3}  {name:<10}  forward {phase('forward')}  "
             f"forward+backward {phase('forward_backward')}")
@@ -152,10 +184,8 @@ def main(argv=None):
         print(case_line(head_dim, "sdpa", reference), flush=True)
         for name in BIASES:
             bias, trained = block_bias(name, args.heads, head_dim, args.batch, args.length, device)
-            case = timed(lambda: fused.attend(q, k, v, bias, dropout=args.dropout), [q, k, v, *trained], grad_out,
-                         args.repeats, device)
-            for phase in ("forward", "forward_backward"):
-                case[f"{phase}_ratio"] = round(case[f"{phase}_ms"] / reference[f"{phase}_ms"], 4)
+            case = with_ratios(timed(lambda: fused.attend(q, k, v, bias, dropout=args.dropout), [q, k, v, *trained],
+                                     grad_out, args.repeats, device), reference)
             cases[name] = case
             save()
             print(case_line(head_dim, name, case), flush=True)

@@ -633,3 +633,21 @@ def test_an_evaluation_forward_reads_no_value_back_to_the_host(name, monkeypatch
     assert set(record.backends) == {"fused"}
     for out in outputs:
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+def test_the_kernel_timing_reads_the_gpus_own_clock(tmp_path):
+    """The speed step's kernel timing at a small size: each case's GPU time is its kernels' in the profile (found:
+    positive) and within the call as timed from the host, which adds the host's preparing and launching."""
+    from gpu_tools import kernel_speed
+    out = tmp_path / "kernel-speed.json"
+    kernel_speed.main(["--json", str(out), "--length", "256", "--head-dims", "64", "--batch", "1", "--heads", "2",
+                       "--repeats", "5"])
+    cases = json.loads(out.read_text())["head_dims"]["64"]
+    assert list(cases) == ["sdpa", *kernel_speed.BIASES]
+    for name, case in cases.items():
+        for phase in ("forward", "forward_backward"):
+            assert 0 < case[f"{phase}_gpu_ms"] <= 1.2 * case[f"{phase}_ms"], (name, phase, case)
+            if name != "sdpa":
+                assert case[f"{phase}_gpu_ratio"] == pytest.approx(
+                    case[f"{phase}_gpu_ms"] / cases["sdpa"][f"{phase}_gpu_ms"], rel=1e-3)

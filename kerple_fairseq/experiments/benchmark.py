@@ -199,11 +199,7 @@ def profile_all(models, args, device):
             with profile(activities=activities) as profiled:
                 PHASES[phase](model, tokens)
                 sync(device)
-            if on_gpu:
-                events = [(e, e.self_device_time_total) for e in profiled.key_averages()
-                          if e.device_type == DeviceType.CUDA]
-            else:
-                events = [(e, e.self_cpu_time_total) for e in profiled.key_averages()]
+            events = busy_times(profiled, on_gpu)
             total = sum(us for _, us in events)
             print(f"profile {phase} L={length} {name}: {total / 1000:.1f} ms of {'GPU' if on_gpu else 'CPU'} time",
                   flush=True)
@@ -213,6 +209,15 @@ def profile_all(models, args, device):
                 print(f"  {100 * rows[-1]['share']:5.1f}% {us / 1000:9.2f} ms {event.count:5d}x  {event.key[:100]}",
                       flush=True)
     return rows
+
+
+def busy_times(profiled, on_gpu: bool) -> list:
+    """What kept the device busy in a finished profile, as ``(event, microseconds)`` pairs: on a GPU each CUDA
+    kernel by its time on the GPU (the host's time launching it not counted), on a CPU each operator by its own
+    time."""
+    if on_gpu:
+        return [(e, e.self_device_time_total) for e in profiled.key_averages() if e.device_type == DeviceType.CUDA]
+    return [(e, e.self_cpu_time_total) for e in profiled.key_averages()]
 
 
 def rss_bytes(field="VmRSS"):
