@@ -110,14 +110,17 @@ def milliseconds(run, repeats: int, device) -> float:
 
 
 def gpu_milliseconds(run, device) -> float:
-    """The GPU's own time for one ``run()``: the time of its CUDA kernels in torch's profiler (the host's time
-    preparing and launching them left out), the median of :data:`PROFILED` calls."""
+    """The GPU's own time for one ``run()``: the time of its CUDA kernels (copies and fills too) in torch's profiler,
+    the host's time preparing and launching them left out; the median of :data:`PROFILED` calls."""
     times = []
     for _ in range(PROFILED):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiled:
             run()
             torch.cuda.synchronize(device)
         times.append(sum(us for _, us in busy_times(profiled, on_gpu=True)) / 1000)
+    if not all(times):
+        raise SystemExit("kernel_speed: torch's profiler recorded no CUDA kernel of a call, so no time on the GPU's "
+                           "clock; check that this torch was built with its CUDA profiler (kineto)")
     return statistics.median(times)
 
 

@@ -213,10 +213,11 @@ def profile_all(models, args, device):
 
 def busy_times(profiled, on_gpu: bool) -> list:
     """What kept the device busy in a finished profile, as ``(event, microseconds)`` pairs: on a GPU each CUDA
-    kernel by its time on the GPU (the host's time launching it not counted), on a CPU each operator by its own
-    time."""
+    kernel, copy and fill by its time on the GPU (the host's time launching it not counted; ranges marked by
+    ``record_function`` left out), on a CPU each operator by its own time."""
     if on_gpu:
-        return [(e, e.self_device_time_total) for e in profiled.key_averages() if e.device_type == DeviceType.CUDA]
+        return [(e, e.self_device_time_total) for e in profiled.key_averages()
+                if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
     return [(e, e.self_cpu_time_total) for e in profiled.key_averages()]
 
 
