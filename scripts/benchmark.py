@@ -74,7 +74,9 @@ def parse_args(argv=None):
                    help="CI size: lengths 128 256, 3 rounds, memory at 2048 only, alibi and kerple_log")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after the timing, profile one step of each phase per model at the longest length and "
-                   "print its N most costly CUDA kernels (on a CPU, operators) with their shares (default: off)")
+                   "print its N most costly CUDA kernels (on a CPU, operators) with their shares, then when the "
+                   "host's call returns and when the step ends (on a GPU with the operations that made the host "
+                   "wait) (default: off)")
     p.add_argument("--cpu", action="store_true", help="stay on the CPU where CUDA is available")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--measure-memory", nargs=2, metavar=("MODEL", "LENGTH"), help=argparse.SUPPRESS)

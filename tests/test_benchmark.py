@@ -172,6 +172,23 @@ def test_profile_lists_each_steps_costliest_operations_with_their_shares(capsys)
     assert "profile train L=96 alibi@sdpa:" in capsys.readouterr().out
 
 
+def test_the_hosts_view_of_each_step(capsys):
+    """When the call returns and when the step ends, at the longest length, for each phase and model; on a CPU the
+    host does the work, so nothing is said of synchronisation (tests/test_cuda.py checks it on a GPU)."""
+    import torch
+
+    from kerple_fairseq.experiments.benchmark import build, host_view
+
+    args = tiny_args(phases=["train", "eval"], lengths=[64, 96], batch_tokens=192, profile=1)
+    cpu = torch.device("cpu")
+    models = {name: build(name, args, cpu) for name in ("alibi@sdpa", "kerple_log")}
+    rows = host_view(models, args, cpu)
+    assert [(r["phase"], r["model"], r["length"]) for r in rows] == [
+        (phase, name, 96) for phase in ("train", "eval") for name in models]
+    assert all(0 < r["returned_ms"] <= r["ended_ms"] and r["synchronising"] is None for r in rows), rows
+    assert "host train L=96 kerple_log: the call returns after" in capsys.readouterr().out
+
+
 def test_a_negative_profile_is_refused_in_one_line(tmp_path):
     proc = run([sys.executable, REPO / "scripts" / "benchmark.py", "--profile", "-3", "--cpu", "--json",
                 tmp_path / "bench.json"], check=False)

@@ -237,3 +237,19 @@ def test_blocks_of_a_method_on_the_scores_are_not_cut_on_cuda(monkeypatch):
     with torch.no_grad():
         model(random_tokens(1, 100).to(CUDA))
     assert attended == [64, 36] * len(model.decoder.layers)
+
+
+def test_the_benchmark_names_each_operation_that_makes_the_host_wait():
+    """``scripts/benchmark.py --profile``'s host view: a value read back and a shape that depends on values are found
+    at their lines; work that stays on the device, none."""
+    from kerple_fairseq.experiments.benchmark import synchronising_sites
+
+    x = torch.arange(6.0, device=CUDA)
+
+    def waits():
+        (x * 2).sum().item()
+        x.nonzero()
+
+    sites = synchronising_sites(waits)
+    assert sum(sites.values()) >= 2 and all(site.startswith("test_cuda.py:") for site in sites), sites
+    assert synchronising_sites(lambda: (x * 2).cumsum(0)) == {}

@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -211,6 +212,58 @@ def profile_all(models, args, device):
     return rows
 
 
+#: steps of each phase and model the host's view times (the median is kept)
+HOST_VIEW_STEPS = 3
+
+
+def synchronising_sites(run) -> collections.Counter:
+    """``run()`` on a GPU with torch's synchronisation debugging on: each operation that made the host wait for the
+    device (a value read back, a shape that depends on values, a copy to the host), counted by the Python line
+    that asked for it (``file:line``)."""
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+    torch.cuda.synchronize()
+    return collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                               if "synchroniz" in str(w.message).lower())
+
+
+def host_view(models, args, device):
+    """Where the host stands in one step of each of the ``--phases`` per model at the longest length: when the call
+    returns (the host's time issuing the step's work, and waiting wherever the step synchronises) and when the
+    step ends (its wall time), medians of :data:`HOST_VIEW_STEPS`; on a GPU also the operations that synchronised,
+    by the line that asked (:func:`synchronising_sites`). A call that returns long before its step ends was issued
+    ahead of the GPU; one that returns with it kept the GPU waiting."""
+    length = max(args.lengths)
+    tokens = batch_of(length, args, device)
+    rows = []
+    for phase in args.phases:
+        for name, model in models.items():
+            returned, ended = [], []
+            for _ in range(HOST_VIEW_STEPS):
+                sync(device)
+                start = time.perf_counter()
+                PHASES[phase](model, tokens)
+                returned.append(time.perf_counter() - start)
+                sync(device)
+                ended.append(time.perf_counter() - start)
+            sites = synchronising_sites(lambda: PHASES[phase](model, tokens)) if device.type == "cuda" else None
+            rows.append({"phase": phase, "length": length, "model": name,
+                         "returned_ms": 1000 * statistics.median(returned), "ended_ms": 1000 * statistics.median(ended),
+                         "synchronising": None if sites is None else dict(sites.most_common())})
+            syncs = "" if sites is None else (f"; synchronised {sum(sites.values())} times: "
+                                              + ", ".join(f"{site} x{n}" for site, n in sites.most_common()))
+            print(f"host {phase} L={length} {name}: the call returns after {rows[-1]['returned_ms']:.1f} ms, the step "
+                  f"ends after {rows[-1]['ended_ms']:.1f} ms{syncs}", flush=True)
+    return rows
+
+
 def busy_times(profiled, on_gpu: bool) -> list:
     """What kept the device busy in a finished profile, as ``(event, microseconds)`` pairs: on a GPU each CUDA
     kernel, copy and fill by its time on the GPU (the host's time launching it not counted; ranges marked by
@@ -367,6 +420,7 @@ def run(args: argparse.Namespace) -> None:
                "device": device_name(device), "timing": time_all(models, args, device)}
     if args.profile:
         results["profile"] = profile_all(models, args, device)
+        results["host"] = host_view(models, args, device)
     results["memory"] = memory_all(args, models, device)
     del models
     results["largest_length"] = largest_fitting(results["memory"], args.memory_budget * 2 ** 30)
