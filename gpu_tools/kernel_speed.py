@@ -120,7 +120,7 @@ def gpu_milliseconds(run, device) -> float:
         times.append(sum(us for _, us in busy_times(profiled, on_gpu=True)) / 1000)
     if not all(times):
         raise SystemExit("kernel_speed: torch's profiler recorded no CUDA kernel of a call, so no time on the GPU's "
-                           "clock; check that this torch was built with its CUDA profiler (kineto)")
+                         "clock; check that this torch was built with its CUDA profiler (kineto)")
     return statistics.median(times)
 
 
@@ -143,11 +143,12 @@ def with_ratios(case: dict, reference: dict) -> dict:
 
 def case_line(head_dim: int, name: str, case: dict) -> str:
     """One case's times, by the GPU's clock in brackets where it was read, with a bias's ratios to SDPA's."""
+    def ratio(key):
+        return f" ({case[key + '_ratio']:.2f}x)" if key + "_ratio" in case else ""
+
     def phase(key):
-        ratio = f" ({case[key + '_ratio']:.2f}x)" if key + "_ratio" in case else ""
-        gpu_ratio = f" ({case[key + '_gpu_ratio']:.2f}x)" if key + "_gpu_ratio" in case else ""
-        gpu = f" [GPU {case[key + '_gpu_ms']:.3f} ms{gpu_ratio}]" if key + "_gpu_ms" in case else ""
-        return f"{case[key + '_ms']:8.3f} ms{ratio}{gpu}"
+        gpu = f" [GPU {case[key + '_gpu_ms']:.3f} ms{ratio(key + '_gpu')}]" if key + "_gpu_ms" in case else ""
+        return f"{case[key + '_ms']:8.3f} ms{ratio(key)}{gpu}"
 
     return (f"head dim {head_dim:>3}  {name:<10}  forward {phase('forward')}  "
             f"forward+backward {phase('forward_backward')}")
