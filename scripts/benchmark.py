@@ -83,6 +83,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.profile < 0:
         p.error(f"--profile must be >= 0 (kernels listed per step; 0: no profile), got {args.profile}")
+    for name in ("lengths", "memory_lengths"):
+        if any(length < 1 for length in getattr(args, name)):
+            p.error(f"--{name.replace('_', '-')} must be token counts >= 1, got {getattr(args, name)}")
+    for name in ("batch_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.quick:
         args.models = [m for m in DEFAULT_MODELS if m in ("none", "sinusoidal", "alibi", "kerple_log")]
         args.lengths, args.repeats, args.memory_lengths, args.batch_tokens = [128, 256], 3, [2048], 2048

@@ -189,6 +189,19 @@ def test_the_hosts_view_of_each_step(capsys):
     assert "host train L=96 kerple_log: the call returns after" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("option, value, message", [
+    ("--lengths", "0", "--lengths must be token counts >= 1, got [0]"),
+    ("--memory-lengths", "-5", "--memory-lengths must be token counts >= 1, got [-5]"),
+    ("--batch-tokens", "0", "--batch-tokens must be >= 1, got 0"),
+    ("--repeats", "0", "--repeats must be >= 1, got 0")])
+def test_a_length_or_count_below_one_is_refused_in_one_line(tmp_path, option, value, message):
+    proc = run([sys.executable, REPO / "scripts" / "benchmark.py", option, value, "--cpu", "--json",
+                tmp_path / "bench.json"], check=False)
+    assert proc.returncode == 2 and not (tmp_path / "bench.json").exists()
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"benchmark.py: error: {message} ")
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_negative_profile_is_refused_in_one_line(tmp_path):
     proc = run([sys.executable, REPO / "scripts" / "benchmark.py", "--profile", "-3", "--cpu", "--json",
                 tmp_path / "bench.json"], check=False)
