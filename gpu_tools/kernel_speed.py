@@ -88,6 +88,36 @@ def block_bias(name: str, heads: int, head_dim: int, batch: int, length: int, de
     return LayerBlockBias(base.for_block(block, length, shared=False), layer, 0, state.requires_grad_()), [state]
 
 
+def attention_inputs(batch: int, heads: int, length: int, head_dim: int, dtype, device):
+    """Seeded queries (scaled beforehand, as the fused kernel takes them), keys, values and an output gradient."""
+    torch.manual_seed(0)
+    shape = (batch, heads, length, head_dim)
+    q = (torch.randn(shape, device=device) * head_dim ** -0.5).to(dtype).requires_grad_()
+    k, v = (torch.randn(shape, device=device).to(dtype).requires_grad_() for _ in range(2))
+    return q, k, v, torch.randn(shape, device=device).to(dtype)
+
+
+def sdpa_backend(device):
+    """The context SDPA is timed in: flash attention on a GPU, the default backend on a CPU."""
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def attention_call(name: str, q, k, v, dropout: float):
+    """The call timed for ``name`` (``"sdpa"`` or one of :data:`BIASES`) and the tensors its backward differentiates:
+    SDPA is called inside :func:`sdpa_backend`, as the caller sets it."""
+    if name == "sdpa":
+        return (lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=1.0)), \
+            [q, k, v]
+    batch, heads, length, head_dim = q.shape
+    bias, trained = block_bias(name, heads, head_dim, batch, length, q.device)
+    return (lambda: fused.attend(q, k, v, bias, dropout=dropout)), [q, k, v, *trained]
+
+
+def phases(attend, inputs, grad_out) -> dict:
+    """The timed phases of ``attend()``: forward, and forward plus backward to ``inputs``."""
+    return {"forward": attend, "forward_backward": lambda: torch.autograd.grad(attend(), inputs, grad_out)}
+
+
 def milliseconds(run, repeats: int, device) -> float:
     """The median time of ``run()`` over ``repeats`` calls after :data:`WARMUP`."""
     for _ in range(WARMUP):
@@ -126,9 +156,8 @@ def gpu_milliseconds(run, device) -> float:
 
 def timed(attend, inputs, grad_out, repeats: int, device) -> dict:
     """``attend()`` timed forward, and forward plus backward to ``inputs``: as called, and on a GPU by its clock."""
-    runs = {"forward": attend, "forward_backward": lambda: torch.autograd.grad(attend(), inputs, grad_out)}
     case = {}
-    for phase, run in runs.items():
+    for phase, run in phases(attend, inputs, grad_out).items():
         case[f"{phase}_ms"] = round(milliseconds(run, repeats, device), 4)
         if device.type == "cuda":
             case[f"{phase}_gpu_ms"] = round(gpu_milliseconds(run, device), 4)
@@ -174,26 +203,15 @@ def main(argv=None):
           f"{args.length} causal tokens, batch {args.batch}, {args.heads} heads, {args.dtype}, dropout {args.dropout}, "
           f"median of {args.repeats} after {WARMUP}", flush=True)
     for head_dim in args.head_dims:
-        torch.manual_seed(0)
-        shape = (args.batch, args.heads, args.length, head_dim)
-        q = (torch.randn(shape, device=device) * head_dim ** -0.5).to(dtype).requires_grad_()
-        k, v = (torch.randn(shape, device=device).to(dtype).requires_grad_() for _ in range(2))
-        grad_out = torch.randn(shape, device=device).to(dtype)
+        q, k, v, grad_out = attention_inputs(args.batch, args.heads, args.length, head_dim, dtype, device)
         cases = report["head_dims"][str(head_dim)] = {}
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash else contextlib.nullcontext():
-            cases["sdpa"] = timed(lambda: F.scaled_dot_product_attention(
-                q, k, v, dropout_p=args.dropout, is_causal=True, scale=1.0), [q, k, v], grad_out, args.repeats, device)
-        reference = cases["sdpa"]
-        save()
-        print(case_line(head_dim, "sdpa", reference), flush=True)
-        for name in BIASES:
-            bias, trained = block_bias(name, args.heads, head_dim, args.batch, args.length, device)
-            case = with_ratios(timed(lambda: fused.attend(q, k, v, bias, dropout=args.dropout), [q, k, v, *trained],
-                                     grad_out, args.repeats, device), reference)
-            cases[name] = case
+        for name in ("sdpa", *BIASES):
+            attend, inputs = attention_call(name, q, k, v, args.dropout)
+            with sdpa_backend(device):
+                case = timed(attend, inputs, grad_out, args.repeats, device)
+            cases[name] = case if name == "sdpa" else with_ratios(case, cases["sdpa"])
             save()
-            print(case_line(head_dim, name, case), flush=True)
-
+            print(case_line(head_dim, name, cases[name]), flush=True)
 
 if __name__ == "__main__":
     main()

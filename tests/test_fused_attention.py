@@ -644,46 +644,32 @@ def test_the_kernel_timings_gpu_clock_is_the_time_the_gpu_is_busy(name, phase):
     around the same call queued behind a long sleep, so that the host's preparing and launching hide behind the
     sleep: equal within 15% and 20 µs (a few µs of gap between queued kernels), so no kernel is missed or counted
     twice; the fused calls' profiles hold the Triton kernel."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     from gpu_tools import kernel_speed
     from kerple_fairseq.experiments.benchmark import busy_times
 
-    torch.manual_seed(0)
-    shape = (4, 16, 2048, 64)
-    q = (torch.randn(shape, device=DEVICE) * 64 ** -0.5).half().requires_grad_()
-    k, v = (torch.randn(shape, device=DEVICE).half().requires_grad_() for _ in range(2))
-    if name == "sdpa":
-        def attend():
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True, scale=1.0)
-        trained = []
-    else:
-        bias, trained = kernel_speed.block_bias(name, 16, 64, 4, 2048, torch.device(DEVICE))
-
-        def attend():
-            return fused.attend(q, k, v, bias, dropout=0.1)
-    grad_out = torch.randn(shape, device=DEVICE).half()
-    run = attend if phase == "forward" else lambda: torch.autograd.grad(attend(), [q, k, v, *trained], grad_out)
-    for _ in range(kernel_speed.WARMUP):
-        run()
-    queued = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        torch.cuda._sleep(50_000_000)  # tens of milliseconds of the GPU's cycles, more than the host takes to queue
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        queued.append(start.elapsed_time(end))
-    gpu = kernel_speed.gpu_milliseconds(run, torch.device(DEVICE))
-    assert abs(gpu - sorted(queued)[2]) <= 0.15 * gpu + 0.02, (gpu, queued)
-    if name != "sdpa":
+    device = torch.device(DEVICE)
+    q, k, v, grad_out = kernel_speed.attention_inputs(4, 16, 2048, 64, torch.float16, device)
+    attend, inputs = kernel_speed.attention_call(name, q, k, v, 0.1)
+    run = kernel_speed.phases(attend, inputs, grad_out)[phase]
+    with kernel_speed.sdpa_backend(device):
+        for _ in range(kernel_speed.WARMUP):
+            run()
+        queued = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(50_000_000)  # tens of milliseconds of the GPU's cycles, more than the host takes to queue
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            queued.append(start.elapsed_time(end))
+        gpu = kernel_speed.gpu_milliseconds(run, device)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiled:
             run()
             torch.cuda.synchronize()
+    assert abs(gpu - sorted(queued)[2]) <= 0.15 * gpu + 0.02, (gpu, queued)
+    if name != "sdpa":
         kernels = " ".join(event.key for event, _ in busy_times(profiled, on_gpu=True))
         assert all(kernel in kernels for kernel in ("forward_kernel", "backward_kernel")[:1 + (phase != "forward")]), \
             kernels
