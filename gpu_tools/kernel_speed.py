@@ -213,5 +213,6 @@ def main(argv=None):
             save()
             print(case_line(head_dim, name, cases[name]), flush=True)
 
+
 if __name__ == "__main__":
     main()
