@@ -7,13 +7,14 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from helpers import FLEX_METHODS, HEADS_OF_16, NO_FLEX_BACKWARD, flex_method_model, random_tokens, tiny_model
+from helpers import FLEX_METHODS, HEADS_OF_16, NO_FLEX_BACKWARD, flex_method_model, moved, random_tokens, tiny_model
 from kerple_core.attention import flex
 from kerple_core.attention.attend import choose_backend
 from kerple_core.attention.backends import flex as flex_backend
 from kerple_core.attention.blocks import QueryBlock
 from kerple_core.attention.layer_bias import LayerBlockBias
 from kerple_fairseq.errors import KernelConfigError
+from kerple_fairseq.experiments.language_models import model_size_flags
 from kerple_core.layer_biases import layer_bias_names
 from kerple_core.visibility import Visibility
 from kerple_core.visibility.chunked import ChunkedAttention
@@ -179,6 +180,54 @@ def test_compiled_flex_is_right_at_every_vector_width_of_this_cpu(bits, monkeypa
     finally:
         torch._dynamo.reset()  # no kernel of this vector width serves a later test
     assert not wrong, f"compiled FlexAttention wrong with {bits}-bit vectors at " + "; ".join(wrong)
+
+
+#: key counts of the decoding test, in turn: a prefix of one fewer, then one step and another through the cache
+DECODED_KEY_COUNTS = [5, 8, 9, 16, 24, 32, 40, 56]
+#: heads (of queries, keys and values) of the decoding test, and how many of them its models have
+DECODED_HEADS = {8: 4, 16: 4, 32: 2, 64: 2}
+
+
+@pytest.mark.parametrize("width", list(DECODED_HEADS))
+@pytest.mark.parametrize("bits", vector_widths())
+def test_compiled_flex_decoding_is_right_at_every_vector_width_of_this_cpu(bits, width, monkeypatch):
+    """ALiBi's self-attention module with heads of ``width`` decoding through its cache with compiled
+    FlexAttention, as the plugin decodes: at batches of one and two, for each key count ``S`` in turn, in one
+    process, a prefix of ``S - 1`` tokens, then two steps of one token; each step's output against the explicit
+    path over the whole sequence on the same module, in each vector width this CPU runs. With AVX-512 code,
+    values of 8 at a batch of 2 were wrong from 9 keys on, and with AVX2 code queries and keys of 8 and 16 at
+    8, 24, 40 and 56 keys, which the backend avoids (:func:`~kerple_core.attention.flex.widened_for_cpu`)."""
+    monkeypatch.setattr(flex, "COMPILED", True)
+    wrong, compiles = [], flex.compile_report()[0]
+    torch._dynamo.reset()
+    heads = DECODED_HEADS[width]
+    try:
+        with torch._inductor.config.patch({"cpp.simdlen": bits}):
+            for batch in (1, 2):
+                torch.manual_seed(0)
+                decoder = moved(tiny_model("alibi", *model_size_flags(layers=1, width=heads * width, heads=heads,
+                                                                      dropout=0.0), "--attention-block-size", "0")).decoder
+                attention = decoder.layers[0].self_attn
+                generator = torch.Generator().manual_seed(1)
+                for keys in DECODED_KEY_COUNTS:
+                    x = torch.randn(keys + 1, batch, heads * width, generator=generator)
+                    state = {}
+                    with torch.no_grad():
+                        decoder.setup.backend = "flex"
+                        attention(x[:keys - 1], x[:keys - 1], x[:keys - 1], incremental_state=state, need_weights=False)
+                        steps = [attention(x[n - 1:n], x[n - 1:n], x[n - 1:n], incremental_state=state,
+                                           need_weights=False)[0][-1] for n in (keys, keys + 1)]
+                        decoder.setup.backend = "explicit"
+                        for n, got in zip((keys, keys + 1), steps):
+                            expected = attention(x[:n], x[:n], x[:n], need_weights=False)[0][-1]
+                            error = (got.double() - expected.double()).abs().max().item()
+                            if not error < 1e-5:
+                                wrong.append(f"batch {batch}, {n} keys: {error:.2g}")
+        assert flex.compile_report()[0] > compiles, "nothing was compiled"
+    finally:
+        torch._dynamo.reset()  # no kernel of this vector width serves a later test
+    assert not wrong, (f"compiled FlexAttention decoding with heads of {width} wrong with {bits}-bit vectors at "
+                       + "; ".join(wrong))
 
 
 def test_compiles_are_bounded_over_lengths_and_decoding(monkeypatch):

@@ -12,9 +12,11 @@ modification (PyTorch 2.13's CPU compiler miscompiles masks that capture tensors
 modification). On CUDA, gradients reach the captured tensors (and through them the kernel's
 parameters); on CPU the kernel has no backward, so it serves evaluation only.
 
-On CPU, queries and keys of heads narrower than :data:`CPU_MIN_QK_WIDTH` are widened with zeros before
-the compiled kernel (:func:`widened_for_cpu`): PyTorch 2.13's CPU kernel computes ``q k^T`` wrongly
-for such heads with AVX2 code, silently, below 128 keys (docs/design.md, "FlexAttention on CPU with AVX2").
+On CPU the compiled kernel is given queries and keys at least :data:`CPU_MIN_QK_WIDTH` wide and values a
+whole number of :data:`CPU_VALUE_MULTIPLE` wide, widened with zeros (:func:`widened_for_cpu`; the output's
+extra columns dropped): PyTorch 2.13's CPU kernel computes ``q k^T`` wrongly for narrower heads with AVX2
+code, and with AVX-512 code it was measured wrong for values of 8 at a batch of 2 (docs/design.md,
+"FlexAttention on CPU"), silently both.
 
 Score modifications are small pure functions of ``(score, batch, head, query, key)`` over captured
 tensors. Offsets are captured as one-element tensors and sizes are dynamic, so one compiled kernel
@@ -54,6 +56,11 @@ RECOMPILE_LIMIT = 64
 #: 8-float vectors a last block of 8 keys reads and writes past its row: wrong outputs, or NaN, at 8, 24,
 #: ..., 120 keys. Widening is harmless where the kernel is right; the test of every vector width keeps it honest
 CPU_MIN_QK_WIDTH = 24
+#: the compiled CPU kernel is given values a whole number of this many dimensions wide (AVX-512's vector of
+#: floats): with AVX-512 code, values of 8 (half a vector) at a batch of 2 gave outputs off by up to 0.4 from 9
+#: keys on, where values of 16, 32 and 64 and the same calls with AVX2 code were right; widening is exact (zero
+#: columns, dropped from the output), the test of every vector width keeps it honest
+CPU_VALUE_MULTIPLE = 16
 #: use ``torch.compile``d FlexAttention (False: the eager one, which materialises the scores)
 COMPILED = True
 _compiled_flex = None
@@ -190,10 +197,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod, mask: "Mask") -
     """``softmax(score_mod(q k^T)) v`` over the visible keys of ``mask``; ``q`` ``[B, H, T, D]`` already scaled."""
     score_mod = masked(score_mod, mask.visible)
     mask = mask.tiles
+    value_width = v.size(-1)
     if COMPILED:
-        q, k = widened_for_cpu(q, k)
+        q, k, v = widened_for_cpu(q, k, v)
     if not COMPILED or is_fake(q):  # FakeTensor propagation is what compiling would do
-        return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=1.0)
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, scale=1.0)[..., :value_width]
     before = _graphs()
     start = time.perf_counter()
     # sizes 0 and 1 (one tile, one query, a batch of one) are specialised: a few compiles, more than
@@ -205,18 +213,24 @@ def attend(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod, mask: "Mask") -
     if _graphs() > before:
         _compiles["count"] += _graphs() - before
         _compiles["seconds"] += time.perf_counter() - start
-    return out
+    return out[..., :value_width]
 
 
-def widened_for_cpu(q: Tensor, k: Tensor) -> Tuple[Tensor, Tensor]:
-    """``q`` and ``k`` on CPU with zeros appended to heads narrower than :data:`CPU_MIN_QK_WIDTH`
-    (``q k^T`` unchanged: the compiled kernel then takes its inner-product path, right on every CPU);
-    otherwise as they are."""
+def widened_for_cpu(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """On CPU, ``q`` and ``k`` with zeros appended to heads narrower than :data:`CPU_MIN_QK_WIDTH` (``q k^T``
+    unchanged: the compiled kernel then takes its inner-product path, right on every CPU), and ``v`` with
+    zero columns up to a whole number of :data:`CPU_VALUE_MULTIPLE` (the output's first ``v.size(-1)``
+    columns unchanged, the others zero); elsewhere, and where no widening is needed, as they are."""
+    if q.device.type != "cpu":
+        return q, k, v
     width = q.size(-1)
-    if q.device.type != "cpu" or width >= CPU_MIN_QK_WIDTH:
-        return q, k
-    pad = (0, CPU_MIN_QK_WIDTH - width)
-    return F.pad(q, pad), F.pad(k, pad)
+    if width < CPU_MIN_QK_WIDTH:
+        pad = (0, CPU_MIN_QK_WIDTH - width)
+        q, k = F.pad(q, pad), F.pad(k, pad)
+    missing = -v.size(-1) % CPU_VALUE_MULTIPLE
+    if missing:
+        v = F.pad(v, (0, missing))
+    return q, k, v
 
 
 def compile_report() -> Tuple[int, float]:
