@@ -3,6 +3,8 @@ every method it serves, dense, in blocks, under a window, with padded keys and d
 a time; compiled (as used) and eager. On CPU it has no backward, so these compare forwards (float32);
 its gradients are checked where CUDA is (tests/test_cuda.py)."""
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -137,6 +139,20 @@ def vector_widths():
     return sorted({isa.bit_width() for isa in cpu_vec_isa.valid_vec_isa_list()}, reverse=True) or [None]
 
 
+@contextmanager
+def compiled_with_vectors_of(bits):
+    """Compiled FlexAttention compiled afresh for ``bits``-bit vectors; fails if nothing was compiled, and no
+    kernel of this vector width serves a later test."""
+    torch._dynamo.reset()
+    compiles = flex.compile_report()[0]
+    try:
+        with torch._inductor.config.patch({"cpp.simdlen": bits}):
+            yield
+        assert flex.compile_report()[0] > compiles, "nothing was compiled"
+    finally:
+        torch._dynamo.reset()
+
+
 #: key counts around each vector's floats (8, 16) and the CPU kernel's 16-key micro-kernel, up to
 #: FlexAttention's 128-key tile and past it (one key, a compile of its own, is decoding's first step:
 #: the model tests decode from it)
@@ -153,32 +169,26 @@ def test_compiled_flex_is_right_at_every_vector_width_of_this_cpu(bits, monkeypa
     is wrong at 8, 24, ..., 120 keys for heads under 24 dimensions, which the backend avoids
     (:func:`~kerple_core.attention.flex.widened_for_cpu`)."""
     monkeypatch.setattr(flex, "COMPILED", True)
-    torch._dynamo.reset()
-    compiles = flex.compile_report()[0]
     wrong = []
     heads = 2
     slopes = 2.0 ** (-8 * torch.arange(1, heads + 1, dtype=torch.float64) / heads)
     generator = torch.Generator().manual_seed(0)
-    try:
-        with torch._inductor.config.patch({"cpp.simdlen": bits}):
-            for head_dim, queries in HEADS_AND_QUERIES:
-                for keys in (n for n in KEY_COUNTS if n >= queries):
-                    offset = keys - queries
-                    q, k, v = (torch.randn(1, heads, n, head_dim, generator=generator, dtype=torch.float64)
-                               for n in (queries, keys, keys))
-                    distance = offset + torch.arange(queries)[:, None] - torch.arange(keys)[None, :]
-                    scores = q @ k.transpose(-1, -2) - slopes[:, None, None] * distance.clamp(min=0)
-                    expected = torch.softmax(scores.masked_fill(distance < 0, float("-inf")), -1) @ v
-                    values = -slopes[:, None].float() * torch.arange(keys + 1)
-                    score_mod = flex.distance_bias(values, torch.tensor([offset]))
-                    mask = flex.block_mask(Visibility(), queries, keys, offset, offset, "cpu")
-                    got = flex.attend(q.float(), k.float(), v.float(), score_mod, mask)
-                    error = (got.double() - expected).abs().max().item()
-                    if not error < 1e-5:
-                        wrong.append(f"head {head_dim}, {queries} queries, {keys} keys: {error:.2g}")
-        assert flex.compile_report()[0] > compiles, "nothing was compiled"
-    finally:
-        torch._dynamo.reset()  # no kernel of this vector width serves a later test
+    with compiled_with_vectors_of(bits):
+        for head_dim, queries in HEADS_AND_QUERIES:
+            for keys in (n for n in KEY_COUNTS if n >= queries):
+                offset = keys - queries
+                q, k, v = (torch.randn(1, heads, n, head_dim, generator=generator, dtype=torch.float64)
+                           for n in (queries, keys, keys))
+                distance = offset + torch.arange(queries)[:, None] - torch.arange(keys)[None, :]
+                scores = q @ k.transpose(-1, -2) - slopes[:, None, None] * distance.clamp(min=0)
+                expected = torch.softmax(scores.masked_fill(distance < 0, float("-inf")), -1) @ v
+                values = -slopes[:, None].float() * torch.arange(keys + 1)
+                score_mod = flex.distance_bias(values, torch.tensor([offset]))
+                mask = flex.block_mask(Visibility(), queries, keys, offset, offset, "cpu")
+                got = flex.attend(q.float(), k.float(), v.float(), score_mod, mask)
+                error = (got.double() - expected).abs().max().item()
+                if not error < 1e-5:
+                    wrong.append(f"head {head_dim}, {queries} queries, {keys} keys: {error:.2g}")
     assert not wrong, f"compiled FlexAttention wrong with {bits}-bit vectors at " + "; ".join(wrong)
 
 
@@ -190,7 +200,7 @@ DECODED_HEADS = {8: 4, 16: 4, 32: 2, 64: 2}
 
 @pytest.mark.parametrize("width", list(DECODED_HEADS))
 @pytest.mark.parametrize("bits", vector_widths())
-def test_compiled_flex_decoding_is_right_at_every_vector_width_of_this_cpu(bits, width, monkeypatch):
+def test_compiled_flex_decoding_is_right_at_every_vector_width_of_this_cpu(bits, width, monkeypatch, flex_calls):
     """ALiBi's self-attention module with heads of ``width`` decoding through its cache with compiled
     FlexAttention, as the plugin decodes: at batches of one and two, for each key count ``S`` in turn, in one
     process, a prefix of ``S - 1`` tokens, then two steps of one token; each step's output against the explicit
@@ -198,34 +208,30 @@ def test_compiled_flex_decoding_is_right_at_every_vector_width_of_this_cpu(bits,
     values of 8 at a batch of 2 were wrong from 9 keys on, and with AVX2 code queries and keys of 8 and 16 at
     8, 24, 40 and 56 keys, which the backend avoids (:func:`~kerple_core.attention.flex.widened_for_cpu`)."""
     monkeypatch.setattr(flex, "COMPILED", True)
-    wrong, compiles = [], flex.compile_report()[0]
-    torch._dynamo.reset()
+    wrong = []
     heads = DECODED_HEADS[width]
-    try:
-        with torch._inductor.config.patch({"cpp.simdlen": bits}):
-            for batch in (1, 2):
-                torch.manual_seed(0)
-                decoder = moved(tiny_model("alibi", *model_size_flags(layers=1, width=heads * width, heads=heads,
-                                                                      dropout=0.0), "--attention-block-size", "0")).decoder
-                attention = decoder.layers[0].self_attn
-                generator = torch.Generator().manual_seed(1)
-                for keys in DECODED_KEY_COUNTS:
-                    x = torch.randn(keys + 1, batch, heads * width, generator=generator)
-                    state = {}
-                    with torch.no_grad():
-                        decoder.setup.backend = "flex"
-                        attention(x[:keys - 1], x[:keys - 1], x[:keys - 1], incremental_state=state, need_weights=False)
-                        steps = [attention(x[n - 1:n], x[n - 1:n], x[n - 1:n], incremental_state=state,
-                                           need_weights=False)[0][-1] for n in (keys, keys + 1)]
-                        decoder.setup.backend = "explicit"
-                        for n, got in zip((keys, keys + 1), steps):
-                            expected = attention(x[:n], x[:n], x[:n], need_weights=False)[0][-1]
-                            error = (got.double() - expected.double()).abs().max().item()
-                            if not error < 1e-5:
-                                wrong.append(f"batch {batch}, {n} keys: {error:.2g}")
-        assert flex.compile_report()[0] > compiles, "nothing was compiled"
-    finally:
-        torch._dynamo.reset()  # no kernel of this vector width serves a later test
+    with compiled_with_vectors_of(bits):
+        for batch in (1, 2):
+            torch.manual_seed(0)
+            decoder = moved(tiny_model("alibi", *model_size_flags(layers=1, width=heads * width, heads=heads,
+                                                                  dropout=0.0), "--attention-block-size", "0")).decoder
+            attention = decoder.layers[0].self_attn
+            generator = torch.Generator().manual_seed(1)
+            for keys in DECODED_KEY_COUNTS:
+                x = torch.randn(keys + 1, batch, heads * width, generator=generator)
+                state = {}
+                with torch.no_grad():
+                    decoder.setup.backend = "flex"
+                    attention(x[:keys - 1], x[:keys - 1], x[:keys - 1], incremental_state=state, need_weights=False)
+                    steps = [attention(x[n - 1:n], x[n - 1:n], x[n - 1:n], incremental_state=state,
+                                       need_weights=False)[0][-1] for n in (keys, keys + 1)]
+                    decoder.setup.backend = "explicit"
+                    for n, got in zip((keys, keys + 1), steps):
+                        expected = attention(x[:n], x[:n], x[:n], need_weights=False)[0][-1]
+                        error = (got.double() - expected.double()).abs().max().item()
+                        if not error < 1e-5:
+                            wrong.append(f"batch {batch}, {n} keys: {error:.2g}")
+    assert len(flex_calls) == 2 * len(DECODED_KEY_COUNTS) * 3, "every prefix and step through FlexAttention"
     assert not wrong, (f"compiled FlexAttention decoding with heads of {width} wrong with {bits}-bit vectors at "
                        + "; ".join(wrong))
 
